@@ -1,0 +1,213 @@
+//! Deterministic elementwise maths (NUMERICS.md §4): norms, softmax, RoPE, activations.
+//!
+//! The rules that make these bit-identical everywhere:
+//! - reductions accumulate in f64, sequentially in index order, then round to f32;
+//! - transcendentals come from the `libm` crate (the same code on every platform), evaluated
+//!   in f64 and rounded to f32; never `f32::exp` and friends from std;
+//! - no fused multiply-add (Rust never contracts on its own; we never call `mul_add`);
+//! - every formula below is written in the exact order it is evaluated.
+
+/// RMSNorm: `y_i = (x_i · r) · w_i` with `r = f32(1 / sqrt(Σ x² / n + eps))`, the sum in f64.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), weight.len(), "rms_norm weight length");
+    assert_eq!(x.len(), out.len(), "rms_norm output length");
+    let mut ss = 0f64;
+    for &v in x {
+        let v = v as f64;
+        ss += v * v;
+    }
+    let r = (1.0 / (ss / x.len() as f64 + eps as f64).sqrt()) as f32;
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (v * r) * w;
+    }
+}
+
+/// LayerNorm: mean and variance in f64 (two sequential passes), then
+/// `y_i = ((x_i - mean) · r) · w_i + b_i` in f32 with `mean`, `r = 1 / sqrt(var + eps)` rounded
+/// to f32.
+pub fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), weight.len(), "layer_norm weight length");
+    assert_eq!(x.len(), bias.len(), "layer_norm bias length");
+    assert_eq!(x.len(), out.len(), "layer_norm output length");
+    let n = x.len() as f64;
+    let mut sum = 0f64;
+    for &v in x {
+        sum += v as f64;
+    }
+    let mean = sum / n;
+    let mut var = 0f64;
+    for &v in x {
+        let d = v as f64 - mean;
+        var += d * d;
+    }
+    let r = (1.0 / (var / n + eps as f64).sqrt()) as f32;
+    let mean = mean as f32;
+    for (((o, &v), &w), &b) in out.iter_mut().zip(x).zip(weight).zip(bias) {
+        *o = ((v - mean) * r) * w + b;
+    }
+}
+
+/// Softmax in place. Entries equal to `-inf` are masked: they become exact zeros and do not
+/// take part. `p_i = f32(exp(x_i - max) / Σ exp(x_j - max))`, exp and the sum in f64, the sum
+/// sequential in index order (for attention: absolute key order). An all-masked row becomes
+/// all zeros.
+pub fn softmax(x: &mut [f32]) {
+    let max = x
+        .iter()
+        .copied()
+        .filter(|v| *v != f32::NEG_INFINITY)
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        x.fill(0.0);
+        return;
+    }
+    let max = max as f64;
+    let mut sum = 0f64;
+    // Two passes over exp rather than a scratch buffer: the same libm call gives the same bits.
+    for &v in x.iter() {
+        if v != f32::NEG_INFINITY {
+            sum += libm::exp(v as f64 - max);
+        }
+    }
+    for v in x.iter_mut() {
+        *v = if *v == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (libm::exp(*v as f64 - max) / sum) as f32
+        };
+    }
+}
+
+/// `log Σ exp(x_i)` of a row in f64 (for perplexity and KL measurements, not for the model).
+pub fn log_sum_exp(x: &[f32]) -> f64 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut sum = 0f64;
+    for &v in x {
+        sum += libm::exp(v as f64 - max);
+    }
+    max + libm::log(sum)
+}
+
+/// SiLU: `f32(x / (1 + exp(-x)))`, evaluated in f64.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    let x = x as f64;
+    (x / (1.0 + libm::exp(-x))) as f32
+}
+
+/// GELU, tanh form (GPT-2's `gelu_new`):
+/// `f32(0.5 · x · (1 + tanh(sqrt(2/π) · (x + 0.044715 · x³))))`, evaluated in f64.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    let x = x as f64;
+    let inner = SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x));
+    (0.5 * x * (1.0 + libm::tanh(inner))) as f32
+}
+
+/// Rotary position embedding tables, one row per absolute position, half-split layout
+/// (Hugging Face `rotate_half`): `inv_freq_i = θ^(-2i/d)`, angle `= pos · inv_freq_i`, both and
+/// their cosine and sine in f64 with libm, rounded to f32.
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// Tables for `positions` positions of a rotary dimension `dim` (even) and base `theta`.
+    pub fn new(dim: usize, theta: f64, positions: usize) -> RopeTable {
+        assert!(dim.is_multiple_of(2) && dim > 0, "rotary dimension must be even");
+        let half = dim / 2;
+        let inv: Vec<f64> = (0..half)
+            .map(|i| 1.0 / libm::pow(theta, (2 * i) as f64 / dim as f64))
+            .collect();
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for &f in &inv {
+                let a = p as f64 * f;
+                cos.push(libm::cos(a) as f32);
+                sin.push(libm::sin(a) as f32);
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    /// Positions covered.
+    pub fn positions(&self) -> usize {
+        self.cos.len() / self.half
+    }
+
+    /// Rotates one head vector `x` (length `2 · half`) for absolute position `pos`:
+    /// `x'_i = x_i·c_i − x_{i+h}·s_i`, `x'_{i+h} = x_{i+h}·c_i + x_i·s_i`, products rounded
+    /// before the sum (no FMA).
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        let h = self.half;
+        assert_eq!(x.len(), 2 * h, "rope head length");
+        let (c, s) = (
+            &self.cos[pos * h..(pos + 1) * h],
+            &self.sin[pos * h..(pos + 1) * h],
+        );
+        for i in 0..h {
+            let (a, b) = (x[i], x[i + h]);
+            x[i] = a * c[i] - b * s[i];
+            x[i + h] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_masks_and_sums_to_one() {
+        let mut x = [1.0, f32::NEG_INFINITY, 3.0, 2.0];
+        softmax(&mut x);
+        assert_eq!(x[1], 0.0);
+        let s: f32 = x.iter().sum();
+        assert!((s - 1.0).abs() < 1e-6);
+        assert!(x[2] > x[3] && x[3] > x[0]);
+        let mut all = [f32::NEG_INFINITY; 3];
+        softmax(&mut all);
+        assert_eq!(all, [0.0; 3]);
+    }
+
+    #[test]
+    fn activations_match_their_formulas() {
+        assert_eq!(silu(0.0), 0.0);
+        assert!((silu(2.0) - 1.761_594_2).abs() < 1e-6);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        assert_eq!(gelu_tanh(0.0), 0.0);
+    }
+
+    #[test]
+    fn norms_match_their_formulas() {
+        let x = [1.0f32, 2.0, 3.0, 4.0];
+        let mut y = [0.0; 4];
+        rms_norm(&x, &[1.0; 4], 0.0, &mut y);
+        let r = (7.5f64).sqrt();
+        for i in 0..4 {
+            assert!((y[i] as f64 - x[i] as f64 / r).abs() < 1e-6);
+        }
+        layer_norm(&x, &[2.0; 4], &[1.0; 4], 0.0, &mut y);
+        let sd = 1.25f64.sqrt();
+        for i in 0..4 {
+            let want = 2.0 * (x[i] as f64 - 2.5) / sd + 1.0;
+            assert!((y[i] as f64 - want).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn rope_rotates_pairs() {
+        let t = RopeTable::new(4, 10000.0, 8);
+        let mut x = [1.0f32, 0.0, 0.0, 0.0];
+        t.apply(&mut x, 0);
+        assert_eq!(x, [1.0, 0.0, 0.0, 0.0]);
+        let mut x = [1.0f32, 0.0, 0.0, 0.0];
+        t.apply(&mut x, 1);
+        assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[2] - 1f32.sin()).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,272 @@
+//! The exact product `Y = X · W` (NUMERICS.md §3): kernel selection, threading, and the one
+//! place where results are rounded and committed.
+//!
+//! Kernels differ only in how fast they compute the exact integer accumulators; all of them
+//! hand every output to the same [`sink::Sink`], so a kernel can never round differently.
+//! Threads split the output columns by panel: which thread computes an element never changes
+//! its value, because every accumulator is an exact integer.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod reference;
+mod sink;
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+pub use sink::{Accumulators, Slot};
+
+use crate::error::{KernelError, Result};
+use crate::pack::PackedWeights;
+use crate::quant::QuantizedRows;
+use sink::Sink;
+
+/// An implementation of the exact product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Plain Rust, one element at a time: the reference every other kernel must equal.
+    Scalar,
+    /// AVX2 (`vpmaddubsw` / `vpmaddwd`).
+    Avx2,
+    /// AVX-512 with VNNI (`vpdpbusd`).
+    Avx512,
+}
+
+impl Kernel {
+    /// Every kernel, reference first.
+    pub const ALL: [Kernel; 3] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512];
+
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            Kernel::Avx2 => "avx2",
+            Kernel::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => is_x86_feature_detected!("avx2"),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => avx512::supported(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The kernels this CPU supports, reference first.
+    pub fn supported() -> Vec<Kernel> {
+        Kernel::ALL
+            .into_iter()
+            .filter(|k| k.is_supported())
+            .collect()
+    }
+
+    /// The fastest kernel this CPU supports.
+    pub fn best() -> Kernel {
+        *Kernel::supported().last().unwrap_or(&Kernel::Scalar)
+    }
+
+    /// Parses `auto`, `scalar`, `avx2` or `avx512`; `auto` picks [`Kernel::best`]. A kernel the
+    /// CPU cannot run is an error.
+    pub fn parse(s: &str) -> Result<Kernel> {
+        let k = match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => return Ok(Kernel::best()),
+            "scalar" => Kernel::Scalar,
+            "avx2" => Kernel::Avx2,
+            "avx512" | "avx512vnni" | "avx-512" => Kernel::Avx512,
+            _ => {
+                return Err(KernelError::Invalid {
+                    what: "kernel",
+                    value: s.to_string(),
+                    why: "expected auto, scalar, avx2 or avx512",
+                })
+            }
+        };
+        if !k.is_supported() {
+            return Err(KernelError::Unsupported(k.name()));
+        }
+        Ok(k)
+    }
+
+    fn run(
+        self,
+        x: &QuantizedRows,
+        w: &PackedWeights,
+        panels: Range<usize>,
+        sink: &Sink,
+    ) -> Result<()> {
+        match self {
+            Kernel::Scalar => reference::run(x, w, panels, sink),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => avx2::run(x, w, panels, sink),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => avx512::run(x, w, panels, sink),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => Err(KernelError::Unsupported(self.name())),
+        }
+    }
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A configured product engine: one kernel and a fixed pool of worker threads.
+#[derive(Clone)]
+pub struct Gemm {
+    kernel: Kernel,
+    threads: usize,
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl fmt::Debug for Gemm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Gemm")
+            .field("kernel", &self.kernel)
+            .field("threads", &self.threads)
+            .finish()
+    }
+}
+
+/// Panels a task takes at least: enough work (tens of KiB of weights) to amortise scheduling.
+const MIN_PANELS_PER_TASK: usize = 4;
+
+impl Gemm {
+    /// An engine running `kernel` on `threads` threads (1 runs on the caller's thread).
+    pub fn new(kernel: Kernel, threads: usize) -> Result<Gemm> {
+        if !kernel.is_supported() {
+            return Err(KernelError::Unsupported(kernel.name()));
+        }
+        if threads == 0 || threads > 1024 {
+            return Err(KernelError::Invalid {
+                what: "thread count",
+                value: threads.to_string(),
+                why: "expected 1 to 1024",
+            });
+        }
+        let pool = if threads > 1 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("dc-gemm-{i}"))
+                .build()
+                .map_err(|_| KernelError::Invalid {
+                    what: "thread pool",
+                    value: threads.to_string(),
+                    why: "the operating system refused to start the worker threads",
+                })?;
+            Some(Arc::new(pool))
+        } else {
+            None
+        };
+        Ok(Gemm {
+            kernel,
+            threads,
+            pool,
+        })
+    }
+
+    /// The kernel in use.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    /// The number of threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f` on this engine's thread pool (so nested parallel work uses the same threads).
+    pub fn install<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+
+    /// `out = x · w`, row-major `x.rows() × w.n()`.
+    pub fn matmul(&self, x: &QuantizedRows, w: &PackedWeights, out: &mut [f32]) -> Result<()> {
+        self.run(x, w, out, None).map(|_| ())
+    }
+
+    /// `out = x · w`, also returning the exact accumulators (for commitments and audits).
+    pub fn matmul_exact(
+        &self,
+        x: &QuantizedRows,
+        w: &PackedWeights,
+        out: &mut [f32],
+    ) -> Result<Accumulators> {
+        let mut slots = vec![Slot::default(); x.rows() * w.n()];
+        let wide = self.run(x, w, out, Some(&mut slots))?;
+        Ok(Accumulators {
+            rows: x.rows(),
+            cols: w.n(),
+            slots,
+            wide,
+        })
+    }
+
+    fn run(
+        &self,
+        x: &QuantizedRows,
+        w: &PackedWeights,
+        out: &mut [f32],
+        slots: Option<&mut [Slot]>,
+    ) -> Result<Vec<(usize, crate::exact::Exact)>> {
+        if x.k() != w.k() {
+            return Err(KernelError::Shape {
+                op: "gemm",
+                detail: format!("x has k = {} but w has k = {}", x.k(), w.k()),
+            });
+        }
+        if out.len() != x.rows() * w.n() {
+            return Err(KernelError::Shape {
+                op: "gemm",
+                detail: format!(
+                    "output has {} elements, expected {} × {}",
+                    out.len(),
+                    x.rows(),
+                    w.n()
+                ),
+            });
+        }
+        let sink = Sink::new(out, w.n(), slots);
+        let panels = w.panels();
+        let tasks = (self.threads * 4)
+            .min(panels.div_ceil(MIN_PANELS_PER_TASK))
+            .max(1);
+        if tasks == 1 || self.pool.is_none() {
+            self.kernel.run(x, w, 0..panels, &sink)?;
+        } else {
+            let kernel = self.kernel;
+            let results: Vec<Result<()>> = self.install(|| {
+                (0..tasks)
+                    .into_par_iter()
+                    .map(|t| {
+                        let range = (t * panels / tasks)..((t + 1) * panels / tasks);
+                        kernel.run(x, w, range, &sink)
+                    })
+                    .collect()
+            });
+            // The first failing task in column order: the same error whatever the timing.
+            results.into_iter().collect::<Result<Vec<()>>>()?;
+        }
+        sink.overflow_error()?;
+        Ok(if sink.wants_slots() {
+            sink.into_wide()
+        } else {
+            Vec::new()
+        })
+    }
+}
