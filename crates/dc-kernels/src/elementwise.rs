@@ -118,7 +118,10 @@ pub struct RopeTable {
 impl RopeTable {
     /// Tables for `positions` positions of a rotary dimension `dim` (even) and base `theta`.
     pub fn new(dim: usize, theta: f64, positions: usize) -> RopeTable {
-        assert!(dim.is_multiple_of(2) && dim > 0, "rotary dimension must be even");
+        assert!(
+            dim.is_multiple_of(2) && dim > 0,
+            "rotary dimension must be even"
+        );
         let half = dim / 2;
         let inv: Vec<f64> = (0..half)
             .map(|i| 1.0 / libm::pow(theta, (2 * i) as f64 / dim as f64))
