@@ -1,0 +1,15 @@
+//! The DaisyChain model runtime: loads Hugging Face folders and GGUF files, quantises weights
+//! once into the kernel layout, and runs any contiguous range of layers as a stage with its own
+//! KV cache. One process can run a whole generation, cut into stages exactly as the swarm cuts
+//! it. No network code lives here.
+
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod gguf;
+pub mod source;
+pub mod store;
+pub mod tokenizer;
+
+pub use error::{ModelError, Result};
+pub use source::{TensorInfo, TensorSource};

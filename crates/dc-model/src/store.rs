@@ -1,0 +1,86 @@
+//! The local data directory: where installed models, quantised-weight caches and the daemon's
+//! identity live. `DCD_DATA_DIR` overrides the platform default (the `directories` crate:
+//! `~/.local/share/dcd` on Linux).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{ModelError, Result};
+
+/// Environment variable that overrides the data directory.
+pub const DATA_DIR_ENV: &str = "DCD_DATA_DIR";
+
+/// The data directory: `$DCD_DATA_DIR`, else the platform's data directory for `dcd`.
+pub fn data_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os(DATA_DIR_ENV).filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
+    }
+    directories::ProjectDirs::from("org", "DaisyChain", "dcd")
+        .map(|p| p.data_dir().to_path_buf())
+        .ok_or_else(|| ModelError::Config {
+            key: DATA_DIR_ENV.into(),
+            detail: "no home directory to put data in; set DCD_DATA_DIR".into(),
+        })
+}
+
+/// Where installed models live: `<data dir>/models/<name>/`.
+pub fn models_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("models")
+}
+
+/// Whether `name` is a plausible store name (no paths sneaking in).
+pub fn is_store_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && !name.starts_with('.')
+}
+
+/// Resolves a model argument: an existing path (HF folder or GGUF file) as is, else the name of
+/// a model installed in the store. The store entry is a folder holding either an HF checkpoint
+/// or exactly one `.gguf` file.
+pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
+    let p = PathBuf::from(arg);
+    if p.exists() {
+        return Ok(p);
+    }
+    if !is_store_name(arg) {
+        return Err(ModelError::Input(format!(
+            "model {arg:?}: no such file or folder"
+        )));
+    }
+    let dir = models_dir(data_dir).join(arg);
+    if !dir.is_dir() {
+        return Err(ModelError::Input(format!(
+            "model {arg:?}: not a path and not installed in {} (scripts/fetch-model.sh installs smollm2-135m)",
+            models_dir(data_dir).display()
+        )));
+    }
+    if dir.join("config.json").is_file() {
+        return Ok(dir);
+    }
+    let ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| ModelError::io(&dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    match ggufs.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err(ModelError::Input(format!(
+            "model {arg:?}: {} holds neither config.json nor a .gguf file",
+            dir.display()
+        ))),
+        _ => Err(ModelError::Input(format!(
+            "model {arg:?}: {} holds several .gguf files; name one by path",
+            dir.display()
+        ))),
+    }
+}
+
+/// The installed SmolLM2-135M GGUF, if `scripts/fetch-model.sh` has run (used by tests and
+/// benchmarks that need a real model).
+pub fn installed_smollm2() -> Option<PathBuf> {
+    let dir = data_dir().ok()?;
+    resolve_model("smollm2-135m", &dir).ok()
+}

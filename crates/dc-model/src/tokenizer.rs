@@ -1,0 +1,1 @@
+//! Tokenizers (to be written).
