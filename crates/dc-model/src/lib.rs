@@ -5,11 +5,21 @@
 
 #![deny(missing_docs)]
 
+pub mod attention;
+pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod generate;
+pub mod hf;
+pub mod model;
+mod progress;
+pub mod sampling;
 pub mod source;
 pub mod store;
 pub mod tokenizer;
+pub mod weights;
 
 pub use error::{ModelError, Result};
+pub use config::{Arch, ModelConfig};
+pub use model::{Activations, KvCache, LoadOptions, Model};
 pub use source::{TensorInfo, TensorSource};

@@ -38,6 +38,104 @@ pub enum Command {
     /// Measure this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Generate text from a prompt (streams it).
+    Generate(GenerateArgs),
+    /// Write the logits of every position of a token sequence to a safetensors file.
+    Logits(LogitsArgs),
+    /// Teacher-forced perplexity of a text file.
+    Perplexity(PerplexityArgs),
+    /// Print the token ids of a text.
+    Tokenize(TokenizeArgs),
+}
+
+/// Which model to use.
+#[derive(Debug, Args, Clone)]
+pub struct ModelArg {
+    /// A Hugging Face model folder, a GGUF file, or the name of an installed model
+    /// (`scripts/fetch-model.sh` installs `smollm2-135m`).
+    #[arg(long, short = 'm')]
+    pub model: String,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// The prompt text.
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// The prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Upper bound on new tokens.
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the most likely tokens up to this total probability.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Seed of the per-position draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Cut the layers into this many stages in this process (the swarm's split, no network).
+    #[arg(long, default_value_t = 1)]
+    pub stages: usize,
+    /// Prefill chunk size in positions.
+    #[arg(long, default_value_t = 64)]
+    pub chunk: usize,
+    /// Print {"prompt_ids", "tokens", "text"} as JSON at the end instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub ids: Vec<u32>,
+    /// Output safetensors file (one f32 tensor `logits`, shape [N, vocab]).
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Stages to cut the layers into (the result is the same for any value).
+    #[arg(long, default_value_t = 1)]
+    pub stages: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// The text file.
+    #[arg(long)]
+    pub file: std::path::PathBuf,
+    /// Print {"tokens", "ppl"} as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// The text.
+    #[arg(long)]
+    pub text: String,
+    /// Print {"ids": [...]} as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Add the model's special tokens (BOS) as its tokenizer would.
+    #[arg(long)]
+    pub add_special_tokens: bool,
 }
 
 #[derive(Debug, Args)]
@@ -51,6 +149,26 @@ pub struct SelftestArgs {
 pub enum BenchCommand {
     /// int8 peak, memory bandwidth and the exact GEMM at decode and prefill shapes.
     Gemm(BenchGemmArgs),
+    /// Prefill and decode tokens per second of a model at several thread counts.
+    Model(BenchModelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchModelArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Thread counts to measure (default: 1 and all cores).
+    #[arg(long, value_delimiter = ',')]
+    pub thread_counts: Option<Vec<usize>>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens to decode for the decode measurement.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

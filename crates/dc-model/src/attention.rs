@@ -1,0 +1,352 @@
+//! Exact attention (NUMERICS.md §2): both attention products are exact integer products like
+//! every other matrix product, so a query row's result never depends on other rows, on future
+//! positions, or on how the sequence was chunked.
+//!
+//! - Scores `Q · Kᵀ`: Q quantised per (position, head) along head_dim, K per (position, kv head)
+//!   once when the position is produced (the cache keeps the quantised K).
+//! - Context `P · V`: V gets one power-of-two exponent per (position, kv head); it is folded into
+//!   the probabilities exactly (`P'_j = P_j · 2^e_j`, held in f64 where it is always exact),
+//!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
+//!   Keys outside the causal or sliding window are exact zeros.
+
+use dc_kernels::elementwise::softmax;
+use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
+use dc_kernels::quant::{quantize_block, BlockScale, BLOCK, QMAX};
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+
+/// The quantised keys and values of one layer for one generation.
+#[derive(Clone, Debug)]
+pub struct LayerCache {
+    kv_heads: usize,
+    head_dim: usize,
+    /// Blocks per head vector.
+    hb: usize,
+    /// `[pos][kv_head][hb · 32]`.
+    k_q: Vec<i8>,
+    /// `[pos][kv_head][hb]`.
+    k_s: Vec<BlockScale>,
+    /// `[pos][kv_head][head_dim]`.
+    v_q: Vec<i8>,
+    /// `[pos][kv_head]`: V's power-of-two exponent.
+    v_e: Vec<i16>,
+    len: usize,
+}
+
+/// V's exponent for a head vector with largest magnitude `amax`: `floor(log2 amax) − 6`, so
+/// the largest element lands in `[64, 128]` (clamped to 127). An all-zero vector gets 0.
+pub fn v_exponent(amax: f32) -> i32 {
+    if amax == 0.0 {
+        return 0;
+    }
+    let bits = amax.to_bits() & 0x7fff_ffff;
+    let exp = (bits >> 23) as i32;
+    let log2 = if exp == 0 {
+        (31 - (bits & 0x7f_ffff).leading_zeros() as i32) - 149
+    } else {
+        exp - 127
+    };
+    log2 - 6
+}
+
+/// `2^e` as f64 for the exponent range attention can produce.
+fn pow2(e: i32) -> f64 {
+    f64::from_bits(((e + 1023) as u64) << 52)
+}
+
+/// The smallest scale `m · 2^e` (m in [128, 255]) with `amax / s <= 127`, for an f64 amax
+/// (NUMERICS.md §1 applied to `P'`, whose values can leave the f32 range but never have more
+/// than 24 significant bits). Same integer search as [`BlockScale::for_amax`].
+pub fn scale_for_amax_f64(amax: f64) -> BlockScale {
+    if amax == 0.0 {
+        return BlockScale::ZERO_BLOCK;
+    }
+    let bits = amax.to_bits() & 0x7fff_ffff_ffff_ffff;
+    let exp = (bits >> 52) as i32;
+    let frac = bits & ((1 << 52) - 1);
+    let (a, p) = if exp == 0 {
+        (frac, -1074)
+    } else {
+        (frac | (1 << 52), exp - 1075)
+    };
+    const TOP: u64 = 127 * 255;
+    let nbits = 64 - a.leading_zeros() as i32;
+    let fits = |d: i32| -> bool {
+        if d >= 0 {
+            (a << d) <= TOP
+        } else {
+            -d >= 64 || a <= TOP.checked_shl((-d) as u32).unwrap_or(u64::MAX)
+        }
+    };
+    let d = if fits(15 - nbits) { 15 - nbits } else { 14 - nbits };
+    let m = if d >= 0 {
+        (a << d).div_ceil(127)
+    } else {
+        a.div_ceil(127u64 << (-d))
+    };
+    BlockScale {
+        m: m as u8,
+        e: (p - d) as i16,
+    }
+}
+
+impl LayerCache {
+    /// An empty cache for `kv_heads` heads of width `head_dim`.
+    pub fn new(kv_heads: usize, head_dim: usize) -> LayerCache {
+        LayerCache {
+            kv_heads,
+            head_dim,
+            hb: head_dim.div_ceil(BLOCK),
+            k_q: Vec::new(),
+            k_s: Vec::new(),
+            v_q: Vec::new(),
+            v_e: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k_q.len() + self.v_q.len() + self.k_s.len() * 4 + self.v_e.len() * 2
+    }
+
+    /// Appends the keys and values of `rows` new positions (`rows × kv_heads · head_dim` each,
+    /// RoPE already applied to the keys).
+    pub fn append(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
+        let w = self.kv_heads * self.head_dim;
+        debug_assert_eq!(k.len(), v.len());
+        for (kr, vr) in k.chunks_exact(w).zip(v.chunks_exact(w)) {
+            for g in 0..self.kv_heads {
+                let kh = &kr[g * self.head_dim..(g + 1) * self.head_dim];
+                for b in 0..self.hb {
+                    let vals = &kh[b * BLOCK..((b + 1) * BLOCK).min(self.head_dim)];
+                    let mut q = [0i8; BLOCK];
+                    self.k_s.push(quantize_block(vals, &mut q));
+                    self.k_q.extend_from_slice(&q);
+                }
+                let vh = &vr[g * self.head_dim..(g + 1) * self.head_dim];
+                let amax = vh.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let e = v_exponent(amax);
+                let inv = pow2(-e);
+                for &x in vh {
+                    // x · 2^-e is exact in f64; one rounding, ties to even.
+                    let q = (x as f64 * inv).round_ties_even().clamp(-QMAX as f64, QMAX as f64);
+                    self.v_q.push(q as i8);
+                }
+                self.v_e.push(e as i16);
+            }
+            self.len += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Sums a handful of block terms exactly and rounds once to f32.
+#[inline]
+fn sum_terms(terms: &[(i64, i32)]) -> Option<f32> {
+    let emin = terms.iter().map(|t| t.1).min()?;
+    let emax = terms.iter().map(|t| t.1).max()?;
+    // Terms are below 2^35; with a span of at most 24 bits and at most 8 terms the shifted sum
+    // stays below 2^62.
+    if emax - emin <= 24 && terms.len() <= 8 {
+        let s: i64 = terms.iter().map(|&(t, e)| t << (e - emin)).sum();
+        let v = round_i64_fast(s, emin);
+        return v.is_finite().then_some(v);
+    }
+    exact_sum(terms).to_f32()
+}
+
+/// What one layer's attention needs besides the cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Sliding window, if any.
+    pub window: Option<usize>,
+}
+
+/// Causal attention of `rows` new query rows at absolute positions `start..start + rows`
+/// against every key in `cache` (which must already hold those positions).
+/// `q` is `rows × heads · head_dim` (RoPE applied); the context goes to `out`, same shape.
+pub fn attend(
+    shape: AttentionShape,
+    cache: &LayerCache,
+    q: &[f32],
+    start: usize,
+    out: &mut [f32],
+    layer: usize,
+) -> Result<()> {
+    let (hd, heads) = (shape.head_dim, shape.heads);
+    let rows = q.len() / (heads * hd);
+    if start + rows > cache.len {
+        return Err(ModelError::Input(format!(
+            "layer {layer}: queries up to position {} but the cache holds {}",
+            start + rows,
+            cache.len
+        )));
+    }
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let group = heads / shape.kv_heads;
+    let failures: Vec<String> = out
+        .par_chunks_mut(hd)
+        .enumerate()
+        .filter_map(|(idx, o)| {
+            let (t, h) = (idx / heads, idx % heads);
+            let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+            head_attention(cache, qh, h / group, start + t, shape.window, scale, o).err()
+        })
+        .collect();
+    match failures.into_iter().next() {
+        None => Ok(()),
+        Some(detail) => Err(ModelError::NonFinite {
+            stage: format!("attention of layer {layer}"),
+            layer: layer.to_string(),
+            detail,
+        }),
+    }
+}
+
+/// One query head at absolute position `pos`.
+fn head_attention(
+    cache: &LayerCache,
+    qh: &[f32],
+    g: usize,
+    pos: usize,
+    window: Option<usize>,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
+    // Quantise the query head.
+    let mut qq = vec![0i8; hb * BLOCK];
+    let mut qs = Vec::with_capacity(hb);
+    for b in 0..hb {
+        let vals = &qh[b * BLOCK..((b + 1) * BLOCK).min(hd)];
+        if let Some(x) = vals.iter().find(|x| !x.is_finite()) {
+            return Err(format!("query value {x} at position {pos}"));
+        }
+        let dst: &mut [i8; BLOCK] = (&mut qq[b * BLOCK..(b + 1) * BLOCK])
+            .try_into()
+            .expect("block slice is BLOCK long");
+        qs.push(quantize_block(vals, dst));
+    }
+    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let n = pos + 1 - lo;
+    // Scores, exact per key, then the f32 scale.
+    let mut scores = vec![0f32; n];
+    let mut terms = Vec::with_capacity(hb);
+    for (s, j) in scores.iter_mut().zip(lo..=pos) {
+        terms.clear();
+        let base = (j * kvh + g) * hb;
+        for b in 0..hb {
+            let kq = &cache.k_q[(base + b) * BLOCK..(base + b + 1) * BLOCK];
+            let d: i32 = qq[b * BLOCK..(b + 1) * BLOCK]
+                .iter()
+                .zip(kq)
+                .map(|(&a, &c)| a as i32 * c as i32)
+                .sum();
+            let (sq, sk) = (qs[b], cache.k_s[base + b]);
+            terms.push((d as i64 * sq.m as i64 * sk.m as i64, sq.e as i32 + sk.e as i32));
+        }
+        let dot = sum_terms(&terms).ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
+        *s = dot * scale;
+    }
+    softmax(&mut scores);
+    // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions.
+    let first_block = lo / BLOCK;
+    let last_block = pos / BLOCK;
+    let mut acc = vec![0i32; hd];
+    let mut ctx_terms: Vec<Vec<(i64, i32)>> = vec![Vec::with_capacity(last_block + 1 - first_block); hd];
+    for b in first_block..=last_block {
+        let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
+        let pv: Vec<f64> = (j0..=j1)
+            .map(|j| scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32))
+            .collect();
+        let amax = pv.iter().fold(0f64, |m, &x| m.max(x));
+        if amax == 0.0 {
+            continue;
+        }
+        let s = scale_for_amax_f64(amax);
+        let inv = pow2(-(s.e as i32));
+        let m = s.m as f64;
+        acc.fill(0);
+        for (j, &p) in (j0..=j1).zip(&pv) {
+            // (p · 2^-e) is exact; the quotient by m is correctly rounded and, p having at most
+            // 24 significant bits, cannot create or destroy a tie.
+            let qp = ((p * inv) / m).round_ties_even().min(QMAX as f64) as i32;
+            if qp == 0 {
+                continue;
+            }
+            let vrow = &cache.v_q[(j * kvh + g) * hd..(j * kvh + g + 1) * hd];
+            for (a, &v) in acc.iter_mut().zip(vrow) {
+                *a += qp * v as i32;
+            }
+        }
+        for (t, &a) in ctx_terms.iter_mut().zip(&acc) {
+            t.push((a as i64 * s.m as i64, s.e as i32));
+        }
+    }
+    for (o, t) in out.iter_mut().zip(&ctx_terms) {
+        *o = context_sum(t).ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
+    }
+    Ok(())
+}
+
+/// Exact sum of the P'·V block terms of one output (`|term| < 2^27`).
+fn context_sum(terms: &[(i64, i32)]) -> Option<f32> {
+    let nz = terms.iter().filter(|t| t.0 != 0);
+    let Some(emin) = nz.clone().map(|t| t.1).min() else {
+        return Some(0.0);
+    };
+    let emax = nz.map(|t| t.1).max().unwrap_or(emin);
+    // 27-bit terms, shifted by at most 90 bits, at most 2^8 blocks: below 2^126.
+    if emax - emin <= 90 && terms.len() <= 256 {
+        let s: i128 = terms
+            .iter()
+            .filter(|t| t.0 != 0)
+            .map(|&(t, e)| (t as i128) << (e - emin))
+            .sum();
+        return Exact::from_i128(s, emin).to_f32();
+    }
+    exact_sum(terms).to_f32()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v_exponent_puts_amax_in_64_to_128() {
+        for amax in [1.0f32, 0.75, 3.9, 1e-3, 1e-40, 2e30] {
+            let e = v_exponent(amax);
+            let scaled = amax as f64 * pow2(-e);
+            assert!((64.0..128.0).contains(&scaled), "{amax}: {scaled}");
+        }
+    }
+
+    #[test]
+    fn f64_scale_matches_the_f32_rule_on_f32_values() {
+        for a in [1e-38f32, 0.001, 0.5, 1.0, 2.5167596, 127.0, 3e38] {
+            assert_eq!(scale_for_amax_f64(a as f64), BlockScale::for_amax(a), "{a}");
+        }
+        // Beyond the f32 range: still the smallest admissible scale.
+        let a = 1e-300f64;
+        let s = scale_for_amax_f64(a);
+        assert!(a / (s.m as f64 * pow2(s.e as i32)) <= 127.0);
+    }
+}

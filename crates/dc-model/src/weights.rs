@@ -1,0 +1,288 @@
+//! The weights of one architecture, loaded from a [`TensorSource`] by their Hugging Face names
+//! and quantised once into the kernel layout. Only the layers a stage serves (and the head
+//! weights, if it holds them) are ever read.
+//!
+//! The file mirrors the checkpoints it reads: GPT-2's fused `c_attn` stored `[in, out]` is cut
+//! into q, k and v here; Llama-family projections are stored `[out, in]`.
+
+use std::ops::Range;
+
+use dc_kernels::{Gemm, PackedWeights, QuantizedRows, WeightLayout};
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::source::TensorSource;
+
+/// A linear layer `y = x · W + b`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// Quantised weights, `k × n`.
+    pub w: PackedWeights,
+    /// Bias, `n`.
+    pub bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    /// `out = x · W (+ b)`, row-major `x.rows() × n`; the bias is added in f32 after the single
+    /// rounding of the exact product.
+    pub fn forward(&self, gemm: &Gemm, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
+        out.clear();
+        out.resize(x.rows() * self.w.n(), 0.0);
+        gemm.matmul(x, &self.w, out)?;
+        if let Some(b) = &self.bias {
+            for row in out.chunks_exact_mut(b.len()) {
+                for (o, &bb) in row.iter_mut().zip(b) {
+                    *o += bb;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A norm's parameters: LayerNorm when it has a bias (GPT-2), RMSNorm otherwise.
+#[derive(Clone, Debug)]
+pub struct Norm {
+    /// Scale.
+    pub weight: Vec<f32>,
+    /// Shift (LayerNorm only).
+    pub bias: Option<Vec<f32>>,
+}
+
+/// The feed-forward part of a block.
+#[derive(Clone, Debug)]
+pub enum Mlp {
+    /// GPT-2: `proj(gelu_tanh(fc(x)))`.
+    Gelu {
+        /// `c_fc`.
+        fc: Linear,
+        /// `c_proj`.
+        proj: Linear,
+    },
+    /// Llama family: `down(silu(gate(x)) · up(x))`.
+    SwiGlu {
+        /// `gate_proj`.
+        gate: Linear,
+        /// `up_proj`.
+        up: Linear,
+        /// `down_proj`.
+        down: Linear,
+    },
+}
+
+/// One transformer block.
+#[derive(Clone, Debug)]
+pub struct Layer {
+    /// Norm before attention.
+    pub attn_norm: Norm,
+    /// Query projection.
+    pub q: Linear,
+    /// Key projection.
+    pub k: Linear,
+    /// Value projection.
+    pub v: Linear,
+    /// Output projection.
+    pub o: Linear,
+    /// Norm before the MLP.
+    pub mlp_norm: Norm,
+    /// The MLP.
+    pub mlp: Mlp,
+}
+
+/// The head weights: what the generation's head needs to embed and read out.
+#[derive(Clone, Debug)]
+pub struct Head {
+    /// Token embeddings, `vocab × hidden`, as loaded (f32).
+    pub embed: Vec<f32>,
+    /// Learned position embeddings, `positions × hidden` (GPT-2).
+    pub positions: Option<Vec<f32>>,
+    /// Final norm.
+    pub final_norm: Norm,
+    /// Output projection, `hidden × vocab` (the embedding itself when tied).
+    pub lm_head: PackedWeights,
+}
+
+/// Tensor names of one architecture.
+struct Names {
+    prefix: &'static str,
+}
+
+fn load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    let info = src.info(name).ok_or_else(|| ModelError::MissingTensor {
+        name: name.into(),
+        path: src.path().to_path_buf(),
+    })?;
+    if info.shape != shape {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            expected: shape.to_vec(),
+            got: info.shape,
+        });
+    }
+    let v = src.load_f32(name)?;
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        return Err(ModelError::format(
+            src.path(),
+            format!("tensor {name} holds a non-finite value {} at element {i}", v[i]),
+        ));
+    }
+    Ok(v)
+}
+
+fn opt_load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+    if src.info(name).is_none() {
+        return Ok(None);
+    }
+    load(src, name, shape).map(Some)
+}
+
+/// `[out, in]` linear (Hugging Face `nn.Linear`).
+fn linear_nk(src: &dyn TensorSource, name: &str, k: usize, n: usize, bias: bool) -> Result<Linear> {
+    let w = load(src, &format!("{name}.weight"), &[n, k])?;
+    let bias = if bias {
+        Some(load(src, &format!("{name}.bias"), &[n])?)
+    } else {
+        opt_load(src, &format!("{name}.bias"), &[n])?
+    };
+    Ok(Linear {
+        w: PackedWeights::quantize(&w, k, n, WeightLayout::NByK, name)?,
+        bias,
+    })
+}
+
+/// `[in, out]` linear (GPT-2 `Conv1D`) with its bias.
+fn linear_kn(src: &dyn TensorSource, name: &str, k: usize, n: usize) -> Result<Linear> {
+    let w = load(src, &format!("{name}.weight"), &[k, n])?;
+    let b = load(src, &format!("{name}.bias"), &[n])?;
+    Ok(Linear {
+        w: PackedWeights::quantize(&w, k, n, WeightLayout::KByN, name)?,
+        bias: Some(b),
+    })
+}
+
+fn norm(src: &dyn TensorSource, name: &str, width: usize, with_bias: bool) -> Result<Norm> {
+    Ok(Norm {
+        weight: load(src, &format!("{name}.weight"), &[width])?,
+        bias: if with_bias {
+            Some(load(src, &format!("{name}.bias"), &[width])?)
+        } else {
+            None
+        },
+    })
+}
+
+impl Names {
+    fn for_source(cfg: &ModelConfig, src: &dyn TensorSource) -> Names {
+        let prefix = match cfg.arch {
+            // GPT-2 checkpoints come with and without the `transformer.` prefix.
+            Arch::Gpt2 if src.info("transformer.wte.weight").is_some() => "transformer.",
+            Arch::Gpt2 => "",
+            _ => "model.",
+        };
+        Names { prefix }
+    }
+}
+
+/// Loads and quantises the layers in `range`.
+pub fn load_layer(cfg: &ModelConfig, src: &dyn TensorSource, i: usize) -> Result<Layer> {
+    let names = Names::for_source(cfg, src);
+    let h = cfg.hidden_size;
+    match cfg.arch {
+        Arch::Gpt2 => {
+            let p = format!("{}h.{i}", names.prefix);
+            let qkv = load(src, &format!("{p}.attn.c_attn.weight"), &[h, 3 * h])?;
+            let qkv_b = load(src, &format!("{p}.attn.c_attn.bias"), &[3 * h])?;
+            let part = |j: usize| -> Result<Linear> {
+                let mut w = Vec::with_capacity(h * h);
+                for row in qkv.chunks_exact(3 * h) {
+                    w.extend_from_slice(&row[j * h..(j + 1) * h]);
+                }
+                let name = format!("{p}.attn.c_attn[{}]", ["q", "k", "v"][j]);
+                Ok(Linear {
+                    w: PackedWeights::quantize(&w, h, h, WeightLayout::KByN, &name)?,
+                    bias: Some(qkv_b[j * h..(j + 1) * h].to_vec()),
+                })
+            };
+            Ok(Layer {
+                attn_norm: norm(src, &format!("{p}.ln_1"), h, true)?,
+                q: part(0)?,
+                k: part(1)?,
+                v: part(2)?,
+                o: linear_kn(src, &format!("{p}.attn.c_proj"), h, h)?,
+                mlp_norm: norm(src, &format!("{p}.ln_2"), h, true)?,
+                mlp: Mlp::Gelu {
+                    fc: linear_kn(src, &format!("{p}.mlp.c_fc"), h, cfg.intermediate_size)?,
+                    proj: linear_kn(src, &format!("{p}.mlp.c_proj"), cfg.intermediate_size, h)?,
+                },
+            })
+        }
+        Arch::Llama | Arch::Qwen2 | Arch::Mistral => {
+            let p = format!("{}layers.{i}", names.prefix);
+            let (qw, kvw, ff) = (cfg.q_width(), cfg.kv_width(), cfg.intermediate_size);
+            Ok(Layer {
+                attn_norm: norm(src, &format!("{p}.input_layernorm"), h, false)?,
+                q: linear_nk(src, &format!("{p}.self_attn.q_proj"), h, qw, cfg.qkv_bias)?,
+                k: linear_nk(src, &format!("{p}.self_attn.k_proj"), h, kvw, cfg.qkv_bias)?,
+                v: linear_nk(src, &format!("{p}.self_attn.v_proj"), h, kvw, cfg.qkv_bias)?,
+                o: linear_nk(src, &format!("{p}.self_attn.o_proj"), qw, h, false)?,
+                mlp_norm: norm(src, &format!("{p}.post_attention_layernorm"), h, false)?,
+                mlp: Mlp::SwiGlu {
+                    gate: linear_nk(src, &format!("{p}.mlp.gate_proj"), h, ff, false)?,
+                    up: linear_nk(src, &format!("{p}.mlp.up_proj"), h, ff, false)?,
+                    down: linear_nk(src, &format!("{p}.mlp.down_proj"), ff, h, false)?,
+                },
+            })
+        }
+    }
+}
+
+/// Loads the head weights: embeddings, final norm and output projection.
+pub fn load_head(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Head> {
+    let names = Names::for_source(cfg, src);
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    match cfg.arch {
+        Arch::Gpt2 => {
+            let p = names.prefix;
+            let embed = load(src, &format!("{p}wte.weight"), &[v, h])?;
+            let lm_head = PackedWeights::quantize(&embed, h, v, WeightLayout::NByK, "wte (tied lm_head)")?;
+            Ok(Head {
+                positions: Some(load(src, &format!("{p}wpe.weight"), &[cfg.max_positions, h])?),
+                final_norm: norm(src, &format!("{p}ln_f"), h, true)?,
+                embed,
+                lm_head,
+            })
+        }
+        _ => {
+            let embed = load(src, "model.embed_tokens.weight", &[v, h])?;
+            let lm_head = if cfg.tie_embeddings || src.info("lm_head.weight").is_none() {
+                if !cfg.tie_embeddings {
+                    return Err(ModelError::MissingTensor {
+                        name: "lm_head.weight (tie_word_embeddings is false)".into(),
+                        path: src.path().to_path_buf(),
+                    });
+                }
+                PackedWeights::quantize(&embed, h, v, WeightLayout::NByK, "embed_tokens (tied lm_head)")?
+            } else {
+                let w = load(src, "lm_head.weight", &[v, h])?;
+                PackedWeights::quantize(&w, h, v, WeightLayout::NByK, "lm_head")?
+            };
+            Ok(Head {
+                embed,
+                positions: None,
+                final_norm: norm(src, "model.norm", h, false)?,
+                lm_head,
+            })
+        }
+    }
+}
+
+/// Checks that a layer range is non-empty and inside the model.
+pub fn check_range(cfg: &ModelConfig, range: &Range<usize>) -> Result<()> {
+    if range.start >= range.end || range.end > cfg.num_layers {
+        return Err(ModelError::Input(format!(
+            "layer range {}..{} is not a non-empty range inside 0..{}",
+            range.start, range.end, cfg.num_layers
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! Commands that run a model in this process: generate, logits, perplexity, tokenize and
+//! bench model.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use dc_kernels::elementwise::log_sum_exp;
+use dc_kernels::{Gemm, Kernel};
+use dc_model::generate::{generate as run_generation, GenerateRequest, LocalPipeline};
+use dc_model::sampling::SamplingParams;
+use dc_model::tokenizer::{load_for_model, StreamDecoder};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+
+use super::{engine, load_model, model_path};
+use crate::cli::{BenchModelArgs, GenerateArgs, Global, LogitsArgs, PerplexityArgs, TokenizeArgs};
+
+pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
+    let gemm = engine(global)?;
+    let l = load_model(&a.model)?;
+    let prompt = match (&a.prompt, &a.prompt_ids) {
+        (Some(text), _) => l.tokenizer()?.encode(text, false)?,
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let req = GenerateRequest {
+        prompt: prompt.clone(),
+        max_new_tokens: a.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        stop_tokens: if a.ignore_eos { Vec::new() } else { l.special.eos.clone() },
+        chunk: a.chunk,
+    };
+    let mut pipeline = LocalPipeline::new(&l.model, a.stages)?;
+    let mut decoder = l.tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));
+    let mut stdout = std::io::stdout().lock();
+    let mut stream_err = None;
+    let out = run_generation(&mut pipeline, &gemm, &req, |t| {
+        if a.json || stream_err.is_some() {
+            return;
+        }
+        // Without a tokenizer, stream the ids themselves.
+        let piece = match decoder.as_mut() {
+            Some(d) => d.push(t),
+            None => Ok(format!("{t} ")),
+        };
+        match piece {
+            Ok(text) => {
+                let _ = write!(stdout, "{text}");
+                let _ = stdout.flush();
+            }
+            Err(e) => stream_err = Some(e),
+        }
+    })?;
+    if let Some(e) = stream_err {
+        return Err(e.into());
+    }
+    let text = match &l.tokenizer {
+        Some(t) => Some(t.decode(&out.tokens, true)?),
+        None => None,
+    };
+    if a.json {
+        println!(
+            "{}",
+            json!({"prompt_ids": prompt, "tokens": out.tokens, "text": text, "stop": out.stop})
+        );
+    } else {
+        let rest = match decoder.as_mut() {
+            Some(d) => d.finish()?,
+            None => String::new(),
+        };
+        writeln!(stdout, "{rest}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn logits(global: &Global, a: &LogitsArgs) -> Result<ExitCode> {
+    let gemm = engine(global)?;
+    let path = model_path(&a.model)?;
+    let model = dc_model::Model::load(&path, &Default::default())?;
+    let mut p = LocalPipeline::new(&model, a.stages)?;
+    let logits = p.prefill_all(&gemm, &a.ids, 64)?;
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::F32, vec![a.ids.len(), model.config.vocab_size], &bytes)
+        .context("building the logits tensor")?;
+    let file = safetensors::serialize([("logits", view)], None).context("serialising logits")?;
+    std::fs::write(&a.out, file).with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!(
+        "wrote logits [{}, {}] to {}",
+        a.ids.len(),
+        model.config.vocab_size,
+        a.out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn perplexity(global: &Global, a: &PerplexityArgs) -> Result<ExitCode> {
+    let gemm = engine(global)?;
+    let l = load_model(&a.model)?;
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    // Like the reference measurements: the text is stripped, no BOS is added.
+    let ids = l.tokenizer()?.encode(text.trim(), false)?;
+    if ids.len() < 2 {
+        bail!("{}: fewer than two tokens, nothing to predict", a.file.display());
+    }
+    // Non-overlapping windows of the model's context, every position after a window's first
+    // predicting the next token (as llama-perplexity does with its context size).
+    let ctx = l.model.config.max_positions;
+    let vocab = l.model.config.vocab_size;
+    let (mut nll, mut count) = (0f64, 0usize);
+    for window in ids.chunks(ctx) {
+        let mut p = LocalPipeline::new(&l.model, 1)?;
+        let logits = p.prefill_all(&gemm, window, 128)?;
+        for i in 0..window.len() - 1 {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            nll += log_sum_exp(row) - row[window[i + 1] as usize] as f64;
+            count += 1;
+        }
+    }
+    let ppl = (nll / count as f64).exp();
+    if a.json {
+        println!(
+            "{}",
+            json!({"tokens": ids.len(), "predictions": count, "mean_nll": nll / count as f64, "ppl": ppl})
+        );
+    } else {
+        println!("{} tokens, {count} predictions, perplexity {ppl:.4}", ids.len());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn tokenize(a: &TokenizeArgs) -> Result<ExitCode> {
+    let path = model_path(&a.model)?;
+    let (tok, _, _) = load_for_model(&path)?;
+    let ids = tok.encode(&a.text, a.add_special_tokens)?;
+    if a.json {
+        println!("{}", json!({ "ids": ids }));
+    } else {
+        println!(
+            "{}",
+            ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
+    let kernel = Kernel::parse(&global.kernel)?;
+    let path = model_path(&a.model)?;
+    let model = dc_model::Model::load(&path, &Default::default())?;
+    let max_threads = global.threads.unwrap_or_else(super::default_threads);
+    let mut counts = a.thread_counts.clone().unwrap_or_else(|| vec![1, max_threads]);
+    counts.sort_unstable();
+    counts.dedup();
+    let vocab = model.config.vocab_size as u64;
+    let prompt: Vec<u32> = (0..a.prompt_tokens as u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    if prompt.is_empty() || a.prompt_tokens + a.decode_tokens > model.config.max_positions {
+        bail!("--prompt-tokens plus --decode-tokens must be 1 to {}", model.config.max_positions);
+    }
+    let mut results = Vec::new();
+    for &t in &counts {
+        let gemm = Gemm::new(kernel, t)?;
+        let (mut pre, mut dec) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            let mut p = LocalPipeline::new(&model, 1)?;
+            let s = Instant::now();
+            let logits = p.prefill(&gemm, &prompt, 128)?;
+            pre.push(prompt.len() as f64 / s.elapsed().as_secs_f64());
+            let mut tok = dc_model::sampling::sample(&logits, &SamplingParams::default(), prompt.len())?;
+            let s = Instant::now();
+            for i in 0..a.decode_tokens {
+                let l = p.forward(&gemm, &[tok], false)?;
+                tok = dc_model::sampling::sample(&l, &SamplingParams::default(), prompt.len() + i + 1)?;
+            }
+            dec.push(a.decode_tokens as f64 / s.elapsed().as_secs_f64());
+        }
+        let (pre, dec) = (median(&mut pre), median(&mut dec));
+        if !a.json && !global.quiet {
+            println!(
+                "{} threads {t}: prefill {pre:.1} tokens/s ({} tokens), decode {dec:.1} tokens/s ({:.1} ms/token)",
+                kernel.name(),
+                prompt.len(),
+                1e3 / dec
+            );
+        }
+        results.push(json!({"kernel": kernel.name(), "threads": t, "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec, "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens}));
+    }
+    if a.json {
+        println!("{}", json!({"model": path, "results": results}));
+    }
+    Ok(ExitCode::SUCCESS)
+}
