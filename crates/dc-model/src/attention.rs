@@ -79,7 +79,11 @@ pub fn scale_for_amax_f64(amax: f64) -> BlockScale {
             -d >= 64 || a <= TOP.checked_shl((-d) as u32).unwrap_or(u64::MAX)
         }
     };
-    let d = if fits(15 - nbits) { 15 - nbits } else { 14 - nbits };
+    let d = if fits(15 - nbits) {
+        15 - nbits
+    } else {
+        14 - nbits
+    };
     let m = if d >= 0 {
         (a << d).div_ceil(127)
     } else {
@@ -141,7 +145,9 @@ impl LayerCache {
                 let inv = pow2(-e);
                 for &x in vh {
                     // x · 2^-e is exact in f64; one rounding, ties to even.
-                    let q = (x as f64 * inv).round_ties_even().clamp(-QMAX as f64, QMAX as f64);
+                    let q = (x as f64 * inv)
+                        .round_ties_even()
+                        .clamp(-QMAX as f64, QMAX as f64);
                     self.v_q.push(q as i8);
                 }
                 self.v_e.push(e as i16);
@@ -261,9 +267,13 @@ fn head_attention(
                 .map(|(&a, &c)| a as i32 * c as i32)
                 .sum();
             let (sq, sk) = (qs[b], cache.k_s[base + b]);
-            terms.push((d as i64 * sq.m as i64 * sk.m as i64, sq.e as i32 + sk.e as i32));
+            terms.push((
+                d as i64 * sq.m as i64 * sk.m as i64,
+                sq.e as i32 + sk.e as i32,
+            ));
         }
-        let dot = sum_terms(&terms).ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
+        let dot = sum_terms(&terms)
+            .ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
         *s = dot * scale;
     }
     softmax(&mut scores);
@@ -271,7 +281,8 @@ fn head_attention(
     let first_block = lo / BLOCK;
     let last_block = pos / BLOCK;
     let mut acc = vec![0i32; hd];
-    let mut ctx_terms: Vec<Vec<(i64, i32)>> = vec![Vec::with_capacity(last_block + 1 - first_block); hd];
+    let mut ctx_terms: Vec<Vec<(i64, i32)>> =
+        vec![Vec::with_capacity(last_block + 1 - first_block); hd];
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
         let pv: Vec<f64> = (j0..=j1)

@@ -134,9 +134,16 @@ fn token_ids(v: &Value, key: &str) -> Result<Vec<u32>> {
         None => Ok(Vec::new()),
         Some(Value::Array(a)) => a
             .iter()
-            .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| bad(x)))
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| bad(x))
+            })
             .collect(),
-        Some(x) => Ok(vec![x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| bad(x))?]),
+        Some(x) => Ok(vec![x
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad(x))?]),
     }
 }
 
@@ -173,7 +180,9 @@ impl ModelConfig {
     fn gpt2(v: &Value, bos: Option<u32>, eos: Vec<u32>) -> Result<ModelConfig> {
         let hidden = usize_key(v, "n_embd")?;
         let heads = usize_key(v, "n_head")?;
-        let act = get(v, "activation_function").and_then(Value::as_str).unwrap_or("gelu_new");
+        let act = get(v, "activation_function")
+            .and_then(Value::as_str)
+            .unwrap_or("gelu_new");
         if !matches!(act, "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") {
             return Err(ModelError::Unsupported {
                 what: "activation_function",
@@ -236,7 +245,9 @@ impl ModelConfig {
             None => {
                 return Err(ModelError::Config {
                     key: "head_dim".into(),
-                    detail: format!("missing, and num_attention_heads {heads} does not divide hidden_size {hidden}"),
+                    detail: format!(
+                    "missing, and num_attention_heads {heads} does not divide hidden_size {hidden}"
+                ),
                 })
             }
         };
@@ -246,7 +257,9 @@ impl ModelConfig {
                 detail: format!("{head_dim} is odd; RoPE needs an even head width"),
             });
         }
-        let act = get(v, "hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        let act = get(v, "hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu");
         if act != "silu" {
             return Err(ModelError::Unsupported {
                 what: "hidden_act",
@@ -269,11 +282,14 @@ impl ModelConfig {
                 });
             }
         }
-        let rope_theta = match params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64) {
+        let rope_theta = match params
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(Value::as_f64)
+        {
             Some(t) => t,
             None => f64_key(v, "rope_theta")?.unwrap_or(10_000.0),
         };
-        if !(rope_theta > 1.0) {
+        if rope_theta.is_nan() || rope_theta <= 1.0 {
             return Err(ModelError::Config {
                 key: "rope_theta".into(),
                 detail: format!("{rope_theta} must be greater than 1"),
@@ -385,6 +401,9 @@ mod tests {
         let err = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
         assert!(err.contains("hidden_size"), "{err}");
         let v = json!({"model_type": "bert"});
-        assert!(ModelConfig::from_hf_json(&v).unwrap_err().to_string().contains("bert"));
+        assert!(ModelConfig::from_hf_json(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("bert"));
     }
 }

@@ -79,7 +79,10 @@ impl<'m> LocalPipeline<'m> {
     pub fn with_ranges(model: &'m Model, ranges: &[Range<usize>]) -> LocalPipeline<'m> {
         LocalPipeline {
             model,
-            caches: ranges.iter().map(|r| KvCache::new(&model.config, r.clone())).collect(),
+            caches: ranges
+                .iter()
+                .map(|r| KvCache::new(&model.config, r.clone()))
+                .collect(),
         }
     }
 
@@ -136,7 +139,9 @@ pub fn generate(
         return Err(ModelError::Input("the prompt is empty".into()));
     }
     if !pipeline.is_empty() {
-        return Err(ModelError::Input("the pipeline already holds a generation".into()));
+        return Err(ModelError::Input(
+            "the pipeline already holds a generation".into(),
+        ));
     }
     let max_pos = pipeline.model.config.max_positions;
     if req.prompt.len() > max_pos {

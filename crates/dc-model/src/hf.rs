@@ -33,7 +33,12 @@ pub struct SafetensorsSource {
 
 impl std::fmt::Debug for SafetensorsSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SafetensorsSource({}, {} tensors)", self.dir.display(), self.infos.len())
+        write!(
+            f,
+            "SafetensorsSource({}, {} tensors)",
+            self.dir.display(),
+            self.infos.len()
+        )
     }
 }
 
@@ -49,16 +54,23 @@ impl SafetensorsSource {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index_path.is_file() {
             let idx = read_json(&index_path)?;
-            let map = idx.get("weight_map").and_then(Value::as_object).ok_or_else(|| {
-                ModelError::format(&index_path, "no \"weight_map\" object")
-            })?;
+            let map = idx
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| ModelError::format(&index_path, "no \"weight_map\" object"))?;
             let mut files: Vec<String> = Vec::new();
             for (name, f) in map {
                 let f = f.as_str().ok_or_else(|| {
-                    ModelError::format(&index_path, format!("weight_map[{name:?}] is not a file name"))
+                    ModelError::format(
+                        &index_path,
+                        format!("weight_map[{name:?}] is not a file name"),
+                    )
                 })?;
                 if f.contains('/') || f.contains("..") {
-                    return Err(ModelError::format(&index_path, format!("weight_map[{name:?}] = {f:?} leaves the folder")));
+                    return Err(ModelError::format(
+                        &index_path,
+                        format!("weight_map[{name:?}] = {f:?} leaves the folder"),
+                    ));
                 }
                 if !files.iter().any(|x| x == f) {
                     files.push(f.to_string());
@@ -86,8 +98,9 @@ impl SafetensorsSource {
             // SAFETY: the mapping is read-only; a checkpoint being rewritten underneath a running
             // daemon is outside what any loader can defend against.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
-            let (header, meta) = SafeTensors::read_metadata(&map)
-                .map_err(|e| ModelError::format(&path, format!("not a valid safetensors file: {e}")))?;
+            let (header, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
+                ModelError::format(&path, format!("not a valid safetensors file: {e}"))
+            })?;
             let shard_idx = shards.len();
             let mut names: Vec<(String, Vec<usize>)> = meta
                 .tensors()
@@ -97,7 +110,10 @@ impl SafetensorsSource {
             names.sort();
             for (name, shape) in names {
                 if index.insert(name.clone(), shard_idx).is_some() {
-                    return Err(ModelError::format(&path, format!("tensor {name} appears in two files")));
+                    return Err(ModelError::format(
+                        &path,
+                        format!("tensor {name} appears in two files"),
+                    ));
                 }
                 infos.push(TensorInfo { name, shape });
             }
@@ -138,14 +154,21 @@ impl TensorSource for SafetensorsSource {
     }
 
     fn load_f32(&self, name: &str) -> Result<Vec<f32>> {
-        let shard = &self.shards[*self.index.get(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.into(),
-            path: self.dir.clone(),
-        })?];
-        let info = shard.meta.info(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.into(),
-            path: shard.path.clone(),
-        })?;
+        let shard =
+            &self.shards[*self
+                .index
+                .get(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.into(),
+                    path: self.dir.clone(),
+                })?];
+        let info = shard
+            .meta
+            .info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.into(),
+                path: shard.path.clone(),
+            })?;
         let (a, b) = info.data_offsets;
         // read_metadata validated that the offsets tile the data section exactly.
         let bytes = &shard.map[shard.data_start + a..shard.data_start + b];
@@ -173,7 +196,11 @@ impl TensorSource for SafetensorsSource {
         if out.len() != numel {
             return Err(ModelError::format(
                 &shard.path,
-                format!("tensor {name}: {} values for shape {:?}", out.len(), info.shape),
+                format!(
+                    "tensor {name}: {} values for shape {:?}",
+                    out.len(),
+                    info.shape
+                ),
             ));
         }
         Ok(out)

@@ -8,8 +8,8 @@
 pub mod attention;
 pub mod config;
 pub mod error;
-pub mod gguf;
 pub mod generate;
+pub mod gguf;
 pub mod hf;
 pub mod model;
 mod progress;
@@ -19,7 +19,7 @@ pub mod store;
 pub mod tokenizer;
 pub mod weights;
 
-pub use error::{ModelError, Result};
 pub use config::{Arch, ModelConfig};
+pub use error::{ModelError, Result};
 pub use model::{Activations, KvCache, LoadOptions, Model};
 pub use source::{TensorInfo, TensorSource};

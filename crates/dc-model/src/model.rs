@@ -93,7 +93,10 @@ impl KvCache {
     /// An empty cache for `layers` of a model.
     pub fn new(cfg: &ModelConfig, layers: Range<usize>) -> KvCache {
         KvCache {
-            caches: layers.clone().map(|_| LayerCache::new(cfg.num_kv_heads, cfg.head_dim)).collect(),
+            caches: layers
+                .clone()
+                .map(|_| LayerCache::new(cfg.num_kv_heads, cfg.head_dim))
+                .collect(),
             layers,
         }
     }
@@ -164,7 +167,10 @@ pub fn open_source(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> 
         let cfg = ModelConfig::from_hf_json(&read_json(&path.join("config.json"))?)?;
         let src = SafetensorsSource::open_dir(path)?;
         Ok((cfg, Box::new(src)))
-    } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    } else if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
         open_gguf(path)
     } else {
         Err(ModelError::Input(format!(
@@ -174,12 +180,11 @@ pub fn open_source(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> 
     }
 }
 
-/// Opens a GGUF file (wired to the GGUF reader once it lands).
+/// Opens a GGUF file: its metadata becomes a Hugging Face style configuration.
 fn open_gguf(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
-    Err(ModelError::Unsupported {
-        what: "file",
-        value: format!("{} (GGUF reader not wired yet)", path.display()),
-    })
+    let g = crate::gguf::GgufFile::open(path)?;
+    let cfg = ModelConfig::from_hf_json(&g.hf_config()?)?;
+    Ok((cfg, Box::new(g)))
 }
 
 impl Model {
@@ -190,10 +195,17 @@ impl Model {
     }
 
     /// Loads from an already opened source.
-    pub fn from_source(config: ModelConfig, src: &dyn TensorSource, opts: &LoadOptions) -> Result<Model> {
+    pub fn from_source(
+        config: ModelConfig,
+        src: &dyn TensorSource,
+        opts: &LoadOptions,
+    ) -> Result<Model> {
         let range = opts.layers.clone().unwrap_or(0..config.num_layers);
         check_range(&config, &range)?;
-        let progress = crate::progress::bar(range.len() as u64 + opts.head as u64, "loading and quantising");
+        let progress = crate::progress::bar(
+            range.len() as u64 + opts.head as u64,
+            "loading and quantising",
+        );
         let mut layers = BTreeMap::new();
         for i in range {
             layers.insert(i, load_layer(&config, src, i)?);
@@ -209,7 +221,11 @@ impl Model {
         progress.finish_and_clear();
         let rope = match config.arch {
             Arch::Gpt2 => None,
-            _ => Some(RopeTable::new(config.head_dim, config.rope_theta, config.max_positions)),
+            _ => Some(RopeTable::new(
+                config.head_dim,
+                config.rope_theta,
+                config.max_positions,
+            )),
         };
         Ok(Model {
             path: src.path().to_path_buf(),
@@ -268,15 +284,27 @@ impl Model {
                 None => data.extend_from_slice(row),
             }
         }
-        Ok(Activations { start, hidden: h, data })
+        Ok(Activations {
+            start,
+            hidden: h,
+            data,
+        })
     }
 
     /// Runs the layers of `cache.layers()` over `x`, appending the new positions to `cache`.
     /// `x` must start exactly where the cache ends.
-    pub fn run_layers(&self, gemm: &Gemm, x: Activations, cache: &mut KvCache) -> Result<Activations> {
+    pub fn run_layers(
+        &self,
+        gemm: &Gemm,
+        x: Activations,
+        cache: &mut KvCache,
+    ) -> Result<Activations> {
         let range = cache.layers();
         let stage = format!("layers {}..{}", range.start, range.end);
-        if x.hidden != self.config.hidden_size || x.data.len() % x.hidden != 0 || x.data.is_empty() {
+        if x.hidden != self.config.hidden_size
+            || !x.data.len().is_multiple_of(x.hidden)
+            || x.data.is_empty()
+        {
             return Err(ModelError::Input(format!(
                 "{stage}: activations of {} values are not rows of width {}",
                 x.data.len(),
@@ -322,7 +350,14 @@ impl Model {
     }
 
     /// One transformer block.
-    fn block(&self, gemm: &Gemm, l: &Layer, i: usize, x: Activations, cache: &mut LayerCache) -> Result<Activations> {
+    fn block(
+        &self,
+        gemm: &Gemm,
+        l: &Layer,
+        i: usize,
+        x: Activations,
+        cache: &mut LayerCache,
+    ) -> Result<Activations> {
         let cfg = &self.config;
         let (rows, start) = (x.rows(), x.start);
         let name = |what: &str| format!("layer {i} {what}");
@@ -373,7 +408,8 @@ impl Model {
                 for v in a.iter_mut() {
                     *v = gelu_tanh(*v);
                 }
-                let qa = QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
+                let qa =
+                    QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
                 proj.forward(gemm, &qa, &mut y)?;
             }
             Mlp::SwiGlu { gate, up, down } => {
@@ -383,7 +419,8 @@ impl Model {
                 for (a, b) in g.iter_mut().zip(&u) {
                     *a = silu(*a) * b;
                 }
-                let qa = QuantizedRows::quantize(&g, rows, cfg.intermediate_size, &name("mlp hidden"))?;
+                let qa =
+                    QuantizedRows::quantize(&g, rows, cfg.intermediate_size, &name("mlp hidden"))?;
                 down.forward(gemm, &qa, &mut y)?;
             }
         }
@@ -398,7 +435,8 @@ impl Model {
         let head = self.head()?;
         x.check_finite("readout", "final norm input")?;
         let h = self.norm(&head.final_norm, &x.data);
-        let qh = QuantizedRows::quantize(&h, x.rows(), self.config.hidden_size, "final norm output")?;
+        let qh =
+            QuantizedRows::quantize(&h, x.rows(), self.config.hidden_size, "final norm output")?;
         let mut logits = vec![0f32; x.rows() * self.config.vocab_size];
         gemm.matmul(&qh, &head.lm_head, &mut logits)?;
         Ok(logits)

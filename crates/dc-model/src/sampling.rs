@@ -61,7 +61,8 @@ fn mix(mut z: u64) -> u64 {
 
 /// The uniform draw in `[0, 1)` for absolute position `pos` under `seed`.
 pub fn draw(seed: u64, pos: usize) -> f64 {
-    let z = mix(mix(seed ^ 0x6a09_e667_f3bc_c909).wrapping_add((pos as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    let z = mix(mix(seed ^ 0x6a09_e667_f3bc_c909)
+        .wrapping_add((pos as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
     (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -85,7 +86,11 @@ pub fn sample(logits: &[f32], params: &SamplingParams, pos: usize) -> Result<u32
     }
     // Candidates, most likely first; ties by lower id, so the order is total.
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    idx.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
     if let Some(k) = params.top_k.filter(|&k| k > 0) {
         idx.truncate(k.min(idx.len()));
     }
@@ -150,19 +155,39 @@ mod tests {
     fn top_k_and_top_p_restrict_the_choice() {
         let logits = [5.0f32, 4.0, 3.0, -10.0, 4.5];
         for pos in 0..200 {
-            let p = SamplingParams { temperature: 1.0, top_k: Some(2), top_p: None, seed: 3 };
+            let p = SamplingParams {
+                temperature: 1.0,
+                top_k: Some(2),
+                top_p: None,
+                seed: 3,
+            };
             let t = sample(&logits, &p, pos).unwrap();
             assert!(t == 0 || t == 4, "{t}");
-            let p = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.01), seed: 3 };
+            let p = SamplingParams {
+                temperature: 1.0,
+                top_k: None,
+                top_p: Some(0.01),
+                seed: 3,
+            };
             assert_eq!(sample(&logits, &p, pos).unwrap(), 0);
         }
     }
 
     #[test]
     fn bad_settings_are_named() {
-        let p = SamplingParams { temperature: -1.0, ..Default::default() };
-        assert!(p.validate().unwrap_err().to_string().contains("temperature"));
-        let p = SamplingParams { top_p: Some(1.5), ..Default::default() };
+        let p = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
+        let p = SamplingParams {
+            top_p: Some(1.5),
+            ..Default::default()
+        };
         assert!(p.validate().unwrap_err().to_string().contains("top_p"));
         assert!(sample(&[f32::NAN], &SamplingParams::default(), 0).is_err());
     }

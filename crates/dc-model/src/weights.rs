@@ -123,7 +123,10 @@ fn load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Vec<f32>>
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(ModelError::format(
             src.path(),
-            format!("tensor {name} holds a non-finite value {} at element {i}", v[i]),
+            format!(
+                "tensor {name} holds a non-finite value {} at element {i}",
+                v[i]
+            ),
         ));
     }
     Ok(v)
@@ -244,9 +247,14 @@ pub fn load_head(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Head> {
         Arch::Gpt2 => {
             let p = names.prefix;
             let embed = load(src, &format!("{p}wte.weight"), &[v, h])?;
-            let lm_head = PackedWeights::quantize(&embed, h, v, WeightLayout::NByK, "wte (tied lm_head)")?;
+            let lm_head =
+                PackedWeights::quantize(&embed, h, v, WeightLayout::NByK, "wte (tied lm_head)")?;
             Ok(Head {
-                positions: Some(load(src, &format!("{p}wpe.weight"), &[cfg.max_positions, h])?),
+                positions: Some(load(
+                    src,
+                    &format!("{p}wpe.weight"),
+                    &[cfg.max_positions, h],
+                )?),
                 final_norm: norm(src, &format!("{p}ln_f"), h, true)?,
                 embed,
                 lm_head,
@@ -261,7 +269,13 @@ pub fn load_head(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Head> {
                         path: src.path().to_path_buf(),
                     });
                 }
-                PackedWeights::quantize(&embed, h, v, WeightLayout::NByK, "embed_tokens (tied lm_head)")?
+                PackedWeights::quantize(
+                    &embed,
+                    h,
+                    v,
+                    WeightLayout::NByK,
+                    "embed_tokens (tied lm_head)",
+                )?
             } else {
                 let w = load(src, "lm_head.weight", &[v, h])?;
                 PackedWeights::quantize(&w, h, v, WeightLayout::NByK, "lm_head")?

@@ -1,6 +1,8 @@
 //! Bad checkpoints and bad requests are clear errors naming the file, tensor or value, never
 //! panics.
 
+#![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
+
 mod common;
 
 use std::path::Path;
@@ -28,7 +30,8 @@ fn load_err(dir: &Path) -> String {
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(&p, v.to_string()).unwrap();
 }
@@ -41,7 +44,10 @@ fn unsupported_architecture_is_named() {
         v["architectures"] = serde_json::json!(["FalconForCausalLM"]);
     });
     let e = load_err(d.path());
-    assert!(e.contains("unsupported architecture") && e.contains("falcon"), "{e}");
+    assert!(
+        e.contains("unsupported architecture") && e.contains("falcon"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -49,7 +55,10 @@ fn misshapen_and_missing_tensors_are_named() {
     let d = copy_fixture("llama");
     edit_config(d.path(), |v| v["intermediate_size"] = 200.into());
     let e = load_err(d.path());
-    assert!(e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("[176, 64]"), "{e}");
+    assert!(
+        e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("[176, 64]"),
+        "{e}"
+    );
 
     let d = copy_fixture("llama");
     edit_config(d.path(), |v| v["num_hidden_layers"] = 5.into());
@@ -93,7 +102,12 @@ fn unknown_dtype_is_named() {
     let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
     for (name, view) in st.tensors() {
         let v = if name == "transformer.ln_f.weight" {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::I32, view.shape().to_vec(), view.data()).unwrap()
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::I32,
+                view.shape().to_vec(),
+                view.data(),
+            )
+            .unwrap()
         } else {
             view
         };
@@ -102,7 +116,10 @@ fn unknown_dtype_is_named() {
     let out = safetensors::serialize(tensors, None).unwrap();
     std::fs::write(&src, out).unwrap();
     let e = load_err(d.path());
-    assert!(e.contains("I32") && e.contains("transformer.ln_f.weight"), "{e}");
+    assert!(
+        e.contains("I32") && e.contains("transformer.ln_f.weight"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -111,7 +128,6 @@ fn non_finite_weights_are_refused() {
     let src = d.path().join("model.safetensors");
     let bytes = std::fs::read(&src).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let nan_data: Vec<u8>;
     let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
     let mut target = None;
     for (name, view) in st.tensors() {
@@ -123,11 +139,17 @@ fn non_finite_weights_are_refused() {
     }
     let (name, shape, mut data) = target.unwrap();
     data[40..44].copy_from_slice(&f32::NAN.to_le_bytes());
-    nan_data = data;
-    tensors.push((name, safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &nan_data).unwrap()));
+    let nan_data = data;
+    tensors.push((
+        name,
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &nan_data).unwrap(),
+    ));
     std::fs::write(&src, safetensors::serialize(tensors, None).unwrap()).unwrap();
     let e = load_err(d.path());
-    assert!(e.contains("transformer.h.1.mlp.c_fc.weight") && e.contains("non-finite"), "{e}");
+    assert!(
+        e.contains("transformer.h.1.mlp.c_fc.weight") && e.contains("non-finite"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -136,17 +158,33 @@ fn bad_requests_are_errors() {
     let gemm = Gemm::new(Kernel::best(), 1).unwrap();
     let mut p = LocalPipeline::new(&model, 2).unwrap();
     let e = p.forward(&gemm, &[1, 2, 512], false).unwrap_err();
-    assert!(e.to_string().contains("token id 512 is out of range"), "{e}");
+    assert!(
+        e.to_string().contains("token id 512 is out of range"),
+        "{e}"
+    );
     let long: Vec<u32> = vec![1; 129];
-    let e = LocalPipeline::new(&model, 1).unwrap().forward(&gemm, &long, false).unwrap_err();
-    assert!(e.to_string().contains("exceed the model's 128 positions"), "{e}");
-    assert!(LocalPipeline::new(&model, 5).is_err(), "5 stages of 4 layers");
+    let e = LocalPipeline::new(&model, 1)
+        .unwrap()
+        .forward(&gemm, &long, false)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("exceed the model's 128 positions"),
+        "{e}"
+    );
+    assert!(
+        LocalPipeline::new(&model, 5).is_err(),
+        "5 stages of 4 layers"
+    );
     // Activations with NaN at a stage boundary name the stage and the layer.
     let mut cache = dc_model::KvCache::new(&model.config, 2..4);
     let mut x = model.embed(&[1, 2, 3], 0).unwrap();
     x.data[70] = f32::NAN;
     match model.run_layers(&gemm, x, &mut cache) {
-        Err(ModelError::NonFinite { stage, layer, detail }) => {
+        Err(ModelError::NonFinite {
+            stage,
+            layer,
+            detail,
+        }) => {
             assert_eq!(stage, "layers 2..4");
             assert!(layer.contains('2'), "{layer}");
             assert!(detail.contains("position 1, channel 6"), "{detail}");
@@ -154,9 +192,21 @@ fn bad_requests_are_errors() {
         other => panic!("expected NonFinite, got {other:?}"),
     }
     // Wrong width and wrong start position.
-    let x = dc_model::Activations { start: 0, hidden: 63, data: vec![0.0; 63] };
-    assert!(model.run_layers(&gemm, x, &mut dc_model::KvCache::new(&model.config, 0..1)).is_err());
-    let x = dc_model::Activations { start: 5, hidden: 64, data: vec![0.0; 64] };
-    let e = model.run_layers(&gemm, x, &mut dc_model::KvCache::new(&model.config, 0..1)).unwrap_err();
+    let x = dc_model::Activations {
+        start: 0,
+        hidden: 63,
+        data: vec![0.0; 63],
+    };
+    assert!(model
+        .run_layers(&gemm, x, &mut dc_model::KvCache::new(&model.config, 0..1))
+        .is_err());
+    let x = dc_model::Activations {
+        start: 5,
+        hidden: 64,
+        data: vec![0.0; 64],
+    };
+    let e = model
+        .run_layers(&gemm, x, &mut dc_model::KvCache::new(&model.config, 0..1))
+        .unwrap_err();
     assert!(e.to_string().contains("start at position 5"), "{e}");
 }

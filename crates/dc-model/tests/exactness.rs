@@ -2,6 +2,8 @@
 //! any split into stages, any prefill chunking, token-by-token decode with the KV cache and
 //! full recomputation, every kernel and thread count give the same logits.
 
+#![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
+
 mod common;
 
 use common::*;
@@ -29,8 +31,18 @@ fn any_split_gives_the_same_logits() {
         let model = load(name);
         let gemm = Gemm::new(Kernel::best(), 2).unwrap();
         let ids = sequence(name);
-        let one = bits(&LocalPipeline::new(&model, 1).unwrap().prefill_all(&gemm, &ids, 64).unwrap());
-        for ranges in [vec![0..2, 2..4], vec![0..1, 1..3, 3..4], vec![0..1, 1..2, 2..3, 3..4], vec![0..3, 3..4]] {
+        let one = bits(
+            &LocalPipeline::new(&model, 1)
+                .unwrap()
+                .prefill_all(&gemm, &ids, 64)
+                .unwrap(),
+        );
+        for ranges in [
+            vec![0..2, 2..4],
+            vec![0..1, 1..3, 3..4],
+            vec![0..1, 1..2, 2..3, 3..4],
+            vec![0..3, 3..4],
+        ] {
             let mut p = LocalPipeline::with_ranges(&model, &ranges);
             let got = bits(&p.prefill_all(&gemm, &ids, 64).unwrap());
             assert_eq!(one, got, "{name}: split {ranges:?}");
@@ -44,9 +56,19 @@ fn chunked_prefill_decode_and_recomputation_agree_at_every_position() {
         let model = load(name);
         let gemm = Gemm::new(Kernel::best(), 2).unwrap();
         let ids = sequence(name);
-        let full = bits(&LocalPipeline::new(&model, 2).unwrap().prefill_all(&gemm, &ids, ids.len()).unwrap());
+        let full = bits(
+            &LocalPipeline::new(&model, 2)
+                .unwrap()
+                .prefill_all(&gemm, &ids, ids.len())
+                .unwrap(),
+        );
         for chunk in [1, 3, 7, 16, 17, 33] {
-            let got = bits(&LocalPipeline::new(&model, 2).unwrap().prefill_all(&gemm, &ids, chunk).unwrap());
+            let got = bits(
+                &LocalPipeline::new(&model, 2)
+                    .unwrap()
+                    .prefill_all(&gemm, &ids, chunk)
+                    .unwrap(),
+            );
             assert_eq!(full, got, "{name}: chunk {chunk}");
         }
         // Recomputation from scratch of every prefix equals the row the long pass produced.
@@ -54,7 +76,11 @@ fn chunked_prefill_decode_and_recomputation_agree_at_every_position() {
         for n in [1, 15, 16, 17, 31, 40] {
             let mut p = LocalPipeline::new(&model, 1).unwrap();
             let last = bits(&p.prefill(&gemm, &ids[..n], n).unwrap());
-            assert_eq!(&full[(n - 1) * vocab..n * vocab], &last[..], "{name}: prefix {n}");
+            assert_eq!(
+                &full[(n - 1) * vocab..n * vocab],
+                &last[..],
+                "{name}: prefix {n}"
+            );
         }
     }
 }
@@ -65,8 +91,22 @@ fn generation_with_the_cache_equals_recomputation() {
         let model = load(name);
         let gemm = Gemm::new(Kernel::best(), 1).unwrap();
         let prompt = sequence(name)[..9].to_vec();
-        for sampling in [SamplingParams::default(), SamplingParams { temperature: 0.8, top_k: Some(40), top_p: Some(0.95), seed: 11 }] {
-            let req = GenerateRequest { prompt: prompt.clone(), max_new_tokens: 30, sampling, stop_tokens: vec![], chunk: 4 };
+        for sampling in [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 0.8,
+                top_k: Some(40),
+                top_p: Some(0.95),
+                seed: 11,
+            },
+        ] {
+            let req = GenerateRequest {
+                prompt: prompt.clone(),
+                max_new_tokens: 30,
+                sampling,
+                stop_tokens: vec![],
+                chunk: 4,
+            };
             let mut p = LocalPipeline::new(&model, 3).unwrap();
             let out = generate(&mut p, &gemm, &req, |_| {}).unwrap();
             assert_eq!(out.tokens.len(), 30);
@@ -86,11 +126,21 @@ fn every_kernel_and_thread_count_gives_the_same_bits() {
     for name in TINY {
         let model = load(name);
         let ids = sequence(name);
-        let want = bits(&LocalPipeline::new(&model, 1).unwrap().prefill_all(&Gemm::new(Kernel::Scalar, 1).unwrap(), &ids, 13).unwrap());
+        let want = bits(
+            &LocalPipeline::new(&model, 1)
+                .unwrap()
+                .prefill_all(&Gemm::new(Kernel::Scalar, 1).unwrap(), &ids, 13)
+                .unwrap(),
+        );
         for kernel in Kernel::supported() {
             for threads in [1, 2] {
                 let gemm = Gemm::new(kernel, threads).unwrap();
-                let got = bits(&LocalPipeline::new(&model, 2).unwrap().prefill_all(&gemm, &ids, 40).unwrap());
+                let got = bits(
+                    &LocalPipeline::new(&model, 2)
+                        .unwrap()
+                        .prefill_all(&gemm, &ids, 40)
+                        .unwrap(),
+                );
                 assert_eq!(want, got, "{name}: {kernel} × {threads}");
             }
         }
@@ -103,12 +153,41 @@ fn loading_only_a_stage_gives_the_same_bits() {
         let full = load(name);
         let ids = sequence(name);
         let gemm = Gemm::new(Kernel::best(), 2).unwrap();
-        let want = bits(&LocalPipeline::new(&full, 1).unwrap().prefill_all(&gemm, &ids, 40).unwrap());
+        let want = bits(
+            &LocalPipeline::new(&full, 1)
+                .unwrap()
+                .prefill_all(&gemm, &ids, 40)
+                .unwrap(),
+        );
         let dir = fixtures().join(name);
-        let head = Model::load(&dir, &LoadOptions { layers: Some(0..1), head: true }).unwrap();
-        let mid = Model::load(&dir, &LoadOptions { layers: Some(1..3), head: false }).unwrap();
-        let tail = Model::load(&dir, &LoadOptions { layers: Some(3..4), head: false }).unwrap();
-        assert!(mid.embed(&ids, 0).is_err(), "a stage without the head cannot embed");
+        let head = Model::load(
+            &dir,
+            &LoadOptions {
+                layers: Some(0..1),
+                head: true,
+            },
+        )
+        .unwrap();
+        let mid = Model::load(
+            &dir,
+            &LoadOptions {
+                layers: Some(1..3),
+                head: false,
+            },
+        )
+        .unwrap();
+        let tail = Model::load(
+            &dir,
+            &LoadOptions {
+                layers: Some(3..4),
+                head: false,
+            },
+        )
+        .unwrap();
+        assert!(
+            mid.embed(&ids, 0).is_err(),
+            "a stage without the head cannot embed"
+        );
         let mut caches = [
             dc_model::KvCache::new(&full.config, 0..1),
             dc_model::KvCache::new(&full.config, 1..3),

@@ -62,7 +62,11 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArg,
     /// The prompt text.
-    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
     pub prompt: Option<String>,
     /// The prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]

@@ -1,6 +1,7 @@
 //! Shared helpers for the model tests: fixture locations, reading the Hugging Face reference
 //! outputs, and the accuracy measures of the fixtures README.
 
+#![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -21,12 +22,23 @@ pub const TINY: [&str; 4] = ["gpt2", "llama", "qwen2", "mistral"];
 pub fn read_tensor(file: &std::path::Path, name: &str) -> (Vec<usize>, Vec<f64>) {
     let bytes = std::fs::read(file).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor(name).unwrap_or_else(|_| panic!("{name} in {}", file.display()));
+    let t = st
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("{name} in {}", file.display()));
     let data = t.data();
     let v: Vec<f64> = match t.dtype() {
-        safetensors::Dtype::I64 => data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-        safetensors::Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-        safetensors::Dtype::F16 => data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
+        safetensors::Dtype::I64 => data
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        safetensors::Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        safetensors::Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
         d => panic!("unexpected dtype {d:?}"),
     };
     (t.shape().to_vec(), v)
@@ -81,7 +93,12 @@ pub fn top1_margin(x: &[f64]) -> (usize, f64) {
             best = i;
         }
     }
-    let second = x.iter().enumerate().filter(|(i, _)| *i != best).map(|(_, &v)| v).fold(f64::NEG_INFINITY, f64::max);
+    let second = x
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != best)
+        .map(|(_, &v)| v)
+        .fold(f64::NEG_INFINITY, f64::max);
     (best, x[best] - second)
 }
 
@@ -110,7 +127,12 @@ pub fn tolerance(model: &str) -> (f64, f64, f64, f64) {
 
 /// Measures one sequence: returns (KL mean, KL max, min centred cosine, top-1 failures where
 /// the reference margin is at least τ, positions checked for top-1).
-pub fn measure(reference: &[f64], ours: &[f32], vocab: usize, tau: f64) -> (f64, f64, f64, usize, usize) {
+pub fn measure(
+    reference: &[f64],
+    ours: &[f32],
+    vocab: usize,
+    tau: f64,
+) -> (f64, f64, f64, usize, usize) {
     let n = reference.len() / vocab;
     let (mut kl_sum, mut kl_max, mut cos_min, mut bad, mut gated) = (0.0, 0.0f64, 1.0f64, 0, 0);
     for i in 0..n {

@@ -35,7 +35,11 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
             top_p: a.top_p,
             seed: a.seed,
         },
-        stop_tokens: if a.ignore_eos { Vec::new() } else { l.special.eos.clone() },
+        stop_tokens: if a.ignore_eos {
+            Vec::new()
+        } else {
+            l.special.eos.clone()
+        },
         chunk: a.chunk,
     };
     let mut pipeline = LocalPipeline::new(&l.model, a.stages)?;
@@ -88,8 +92,12 @@ pub fn logits(global: &Global, a: &LogitsArgs) -> Result<ExitCode> {
     let mut p = LocalPipeline::new(&model, a.stages)?;
     let logits = p.prefill_all(&gemm, &a.ids, 64)?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = TensorView::new(Dtype::F32, vec![a.ids.len(), model.config.vocab_size], &bytes)
-        .context("building the logits tensor")?;
+    let view = TensorView::new(
+        Dtype::F32,
+        vec![a.ids.len(), model.config.vocab_size],
+        &bytes,
+    )
+    .context("building the logits tensor")?;
     let file = safetensors::serialize([("logits", view)], None).context("serialising logits")?;
     std::fs::write(&a.out, file).with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!(
@@ -104,11 +112,15 @@ pub fn logits(global: &Global, a: &LogitsArgs) -> Result<ExitCode> {
 pub fn perplexity(global: &Global, a: &PerplexityArgs) -> Result<ExitCode> {
     let gemm = engine(global)?;
     let l = load_model(&a.model)?;
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
     // Like the reference measurements: the text is stripped, no BOS is added.
     let ids = l.tokenizer()?.encode(text.trim(), false)?;
     if ids.len() < 2 {
-        bail!("{}: fewer than two tokens, nothing to predict", a.file.display());
+        bail!(
+            "{}: fewer than two tokens, nothing to predict",
+            a.file.display()
+        );
     }
     // Non-overlapping windows of the model's context, every position after a window's first
     // predicting the next token (as llama-perplexity does with its context size).
@@ -131,7 +143,10 @@ pub fn perplexity(global: &Global, a: &PerplexityArgs) -> Result<ExitCode> {
             json!({"tokens": ids.len(), "predictions": count, "mean_nll": nll / count as f64, "ppl": ppl})
         );
     } else {
-        println!("{} tokens, {count} predictions, perplexity {ppl:.4}", ids.len());
+        println!(
+            "{} tokens, {count} predictions, perplexity {ppl:.4}",
+            ids.len()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -145,7 +160,10 @@ pub fn tokenize(a: &TokenizeArgs) -> Result<ExitCode> {
     } else {
         println!(
             "{}",
-            ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+            ids.iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -161,13 +179,21 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
     let path = model_path(&a.model)?;
     let model = dc_model::Model::load(&path, &Default::default())?;
     let max_threads = global.threads.unwrap_or_else(super::default_threads);
-    let mut counts = a.thread_counts.clone().unwrap_or_else(|| vec![1, max_threads]);
+    let mut counts = a
+        .thread_counts
+        .clone()
+        .unwrap_or_else(|| vec![1, max_threads]);
     counts.sort_unstable();
     counts.dedup();
     let vocab = model.config.vocab_size as u64;
-    let prompt: Vec<u32> = (0..a.prompt_tokens as u64).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    let prompt: Vec<u32> = (0..a.prompt_tokens as u64)
+        .map(|i| ((i * 7919 + 13) % vocab) as u32)
+        .collect();
     if prompt.is_empty() || a.prompt_tokens + a.decode_tokens > model.config.max_positions {
-        bail!("--prompt-tokens plus --decode-tokens must be 1 to {}", model.config.max_positions);
+        bail!(
+            "--prompt-tokens plus --decode-tokens must be 1 to {}",
+            model.config.max_positions
+        );
     }
     let mut results = Vec::new();
     for &t in &counts {
@@ -178,11 +204,16 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             let s = Instant::now();
             let logits = p.prefill(&gemm, &prompt, 128)?;
             pre.push(prompt.len() as f64 / s.elapsed().as_secs_f64());
-            let mut tok = dc_model::sampling::sample(&logits, &SamplingParams::default(), prompt.len())?;
+            let mut tok =
+                dc_model::sampling::sample(&logits, &SamplingParams::default(), prompt.len())?;
             let s = Instant::now();
             for i in 0..a.decode_tokens {
                 let l = p.forward(&gemm, &[tok], false)?;
-                tok = dc_model::sampling::sample(&l, &SamplingParams::default(), prompt.len() + i + 1)?;
+                tok = dc_model::sampling::sample(
+                    &l,
+                    &SamplingParams::default(),
+                    prompt.len() + i + 1,
+                )?;
             }
             dec.push(a.decode_tokens as f64 / s.elapsed().as_secs_f64());
         }

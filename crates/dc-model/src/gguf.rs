@@ -1,1 +1,0 @@
-//! GGUF files (to be written).

@@ -1,0 +1,17 @@
+//! The shared vocabulary of DaisyChain: identifiers, layer ranges, the messages peers exchange
+//! and their bounded binary encoding. No async runtime and no networking live here, so every
+//! other crate (and any tool) can speak the protocol.
+
+#![deny(missing_docs)]
+
+pub mod ids;
+pub mod messages;
+pub mod wire;
+
+pub use dc_kernels::Commitment;
+pub use ids::{GenerationId, LayerRange, ModelId};
+pub use messages::*;
+pub use wire::{decode, encode, WireError};
+
+/// Version of the peer protocol. Peers with another version are ignored (and say why).
+pub const PROTOCOL_VERSION: u32 = 1;

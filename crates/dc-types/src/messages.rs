@@ -1,0 +1,247 @@
+//! The messages daemons exchange: announcements (gossip), hops (one stage's work on one
+//! generation step), and generation streams (a request forwarded to the elected head and the
+//! tokens it streams back).
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{GenerationId, LayerRange, ModelId};
+use crate::Commitment;
+
+/// What a daemon is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerState {
+    /// Loading or quantising weights; not serving yet.
+    Loading,
+    /// Serving its layers.
+    Serving,
+    /// Moving to another layer range.
+    Moving,
+    /// Shutting down: finishing what it serves, taking nothing new.
+    Leaving,
+}
+
+impl PeerState {
+    /// Lower-case name for status output.
+    pub fn name(self) -> &'static str {
+        match self {
+            PeerState::Loading => "loading",
+            PeerState::Serving => "serving",
+            PeerState::Moving => "moving",
+            PeerState::Leaving => "leaving",
+        }
+    }
+}
+
+/// A daemon's periodic announcement of what it serves (gossiped; the gossip layer signs it
+/// with the sender's identity, so the sender cannot be forged).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Announcement {
+    /// [`crate::PROTOCOL_VERSION`] of the sender.
+    pub protocol_version: u32,
+    /// The `dcd` version string.
+    pub software: String,
+    /// The model served.
+    pub model_id: ModelId,
+    /// Layers served (none while loading).
+    pub layers: Option<LayerRange>,
+    /// Whether it holds the head weights (embeddings, final norm, output projection).
+    pub head: bool,
+    /// Measured throughput of its layer range, in tokens per second at decode.
+    pub throughput: f32,
+    /// Memory it could still give, in bytes.
+    pub free_memory: u64,
+    /// What it is doing.
+    pub state: PeerState,
+    /// Generations it is serving now.
+    pub active_generations: u32,
+    /// Increases with every announcement (lets peers drop stale ones).
+    pub seq: u64,
+    /// Addresses the sender listens on (so peers that only heard of it by gossip can dial it).
+    pub listen_addrs: Vec<String>,
+}
+
+/// Activations on the wire: `rows` positions from `start`, `hidden` wide, little-endian f32.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireActivations {
+    /// First absolute position.
+    pub start: u32,
+    /// Row width.
+    pub hidden: u32,
+    /// Values, row-major.
+    pub data: Vec<f32>,
+}
+
+/// One hop: a stage runs its layers on the activations of one step of a generation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HopRequest {
+    /// The model (a stage refuses other models).
+    pub model_id: ModelId,
+    /// The generation (selects the stage's KV cache).
+    pub generation: GenerationId,
+    /// Step number within the generation (0 for the first prefill chunk).
+    pub step: u64,
+    /// The layers to run (inside the stage's range).
+    pub layers: LayerRange,
+    /// Input activations.
+    pub activations: WireActivations,
+}
+
+/// A stage's signed statement of what it computed for one hop.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HopRecord {
+    /// The generation.
+    pub generation: GenerationId,
+    /// The step.
+    pub step: u64,
+    /// The layers run.
+    pub layers: LayerRange,
+    /// Commitment to the input activations.
+    pub input: Commitment,
+    /// Commitment to the output activations.
+    pub output: Commitment,
+    /// Root of the per-GEMM accumulator commitments (zero when not computed).
+    pub gemms: Commitment,
+}
+
+/// A message with its signer's public key and signature (encoding and checking live in the
+/// network crate, which owns the keys).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Signed<T> {
+    /// The message.
+    pub body: T,
+    /// The signer's public key (libp2p protobuf encoding).
+    pub public_key: Vec<u8>,
+    /// Signature over the canonical encoding of `body`.
+    pub signature: Vec<u8>,
+}
+
+/// Why a hop was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HopErrorKind {
+    /// Another model id.
+    WrongModel,
+    /// Layers this stage does not serve.
+    WrongLayers,
+    /// Malformed or inconsistent activations (wrong width, NaN, wrong position).
+    BadActivations,
+    /// Too busy or out of memory for another generation.
+    Overloaded,
+    /// The stage is leaving.
+    Leaving,
+    /// Anything else.
+    Internal,
+}
+
+/// A stage's answer to a hop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum HopResponse {
+    /// The output activations and the signed record.
+    Done {
+        /// Output activations.
+        activations: WireActivations,
+        /// What the stage commits to.
+        record: Signed<HopRecord>,
+    },
+    /// Refused, with a reason.
+    Refused {
+        /// Category.
+        kind: HopErrorKind,
+        /// Human-readable reason.
+        message: String,
+    },
+}
+
+/// A request to a stage outside the hop itself.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StageRequest {
+    /// Run a hop.
+    Hop(HopRequest),
+    /// The generation is over: drop its KV cache.
+    End {
+        /// The generation.
+        generation: GenerationId,
+    },
+}
+
+/// A stage's answer to a [`StageRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StageResponse {
+    /// Answer to a hop (boxed: it carries the activations).
+    Hop(Box<HopResponse>),
+    /// Acknowledged.
+    Ack,
+}
+
+/// Sampling settings on the wire.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireSampling {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// Top-k (0: off).
+    pub top_k: u32,
+    /// Top-p (1: off).
+    pub top_p: f32,
+    /// Seed of the per-position draws.
+    pub seed: u64,
+}
+
+/// A generation request, as the receiving daemon forwards it to the elected head.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerationRequest {
+    /// The model.
+    pub model_id: ModelId,
+    /// The generation's id (also the input of the head election).
+    pub generation: GenerationId,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Upper bound on new tokens.
+    pub max_new_tokens: u32,
+    /// Sampling.
+    pub sampling: WireSampling,
+    /// Tokens that end the generation.
+    pub stop_tokens: Vec<u32>,
+    /// Prefill chunk size.
+    pub chunk: u32,
+}
+
+/// One stage of a route: a peer (libp2p id, base58) and the layers it runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteHop {
+    /// The peer.
+    pub peer: String,
+    /// Its layers in this generation.
+    pub layers: LayerRange,
+}
+
+/// What the head streams back for a generation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum GenerationEvent {
+    /// The head accepted and chose a route.
+    Started {
+        /// The head (base58 peer id).
+        head: String,
+        /// The stages, in order.
+        route: Vec<RouteHop>,
+    },
+    /// A new token.
+    Token {
+        /// Index among the new tokens.
+        index: u32,
+        /// Token id.
+        id: u32,
+    },
+    /// The generation ended.
+    Done {
+        /// All new tokens.
+        tokens: Vec<u32>,
+        /// Why it ended: "stop", "length" or "context".
+        stop: String,
+        /// blake3 of the final logits (little-endian f32), to compare runs bit for bit.
+        final_logits: Commitment,
+    },
+    /// The generation failed.
+    Failed {
+        /// Why.
+        message: String,
+    },
+}
