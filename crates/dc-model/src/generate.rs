@@ -126,6 +126,87 @@ impl<'m> LocalPipeline<'m> {
     }
 }
 
+/// What to do after a row of logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Emit this token and run it through the stages for the next logits.
+    Feed(u32),
+    /// Emit this token; the generation is over.
+    Last(u32, StopReason),
+    /// The generation is over without another token.
+    Done(StopReason),
+}
+
+/// The sampling loop of a generation, shared by the local pipeline and the swarm's head so
+/// both stop, sample and count positions identically.
+#[derive(Clone, Debug)]
+pub struct TokenLoop {
+    prompt_len: usize,
+    max_new_tokens: usize,
+    max_positions: usize,
+    sampling: SamplingParams,
+    stop_tokens: Vec<u32>,
+    /// New tokens so far.
+    pub tokens: Vec<u32>,
+}
+
+impl TokenLoop {
+    /// A loop for `req` on a model with `max_positions` positions (checks the request).
+    pub fn new(req: &GenerateRequest, max_positions: usize) -> Result<TokenLoop> {
+        req.sampling.validate()?;
+        if req.prompt.is_empty() {
+            return Err(ModelError::Input("the prompt is empty".into()));
+        }
+        if req.prompt.len() > max_positions {
+            return Err(ModelError::Input(format!(
+                "the prompt has {} tokens but the model has {} positions",
+                req.prompt.len(),
+                max_positions
+            )));
+        }
+        Ok(TokenLoop {
+            prompt_len: req.prompt.len(),
+            max_new_tokens: req.max_new_tokens,
+            max_positions,
+            sampling: req.sampling.clone(),
+            stop_tokens: req.stop_tokens.clone(),
+            tokens: Vec::new(),
+        })
+    }
+
+    /// Chooses what follows the logits of the last position run.
+    pub fn next(&mut self, logits: &[f32]) -> Result<Next> {
+        if self.tokens.len() >= self.max_new_tokens {
+            return Ok(Next::Done(StopReason::Length));
+        }
+        // The token sampled here takes absolute position `pos`.
+        let pos = self.prompt_len + self.tokens.len();
+        let t = sample(logits, &self.sampling, pos)?;
+        self.tokens.push(t);
+        Ok(if self.stop_tokens.contains(&t) {
+            Next::Last(t, StopReason::Stop)
+        } else if self.tokens.len() >= self.max_new_tokens {
+            Next::Last(t, StopReason::Length)
+        } else if pos + 1 >= self.max_positions {
+            // Running t would need position `pos`, the model's last; there is no room to
+            // sample after it.
+            Next::Last(t, StopReason::Context)
+        } else {
+            Next::Feed(t)
+        })
+    }
+}
+
+/// Commitment to a row of logits at position `pos` (compares runs bit for bit).
+pub fn logits_commitment(pos: usize, logits: &[f32]) -> dc_kernels::Commitment {
+    crate::model::Activations {
+        start: pos,
+        hidden: logits.len(),
+        data: logits.to_vec(),
+    }
+    .commitment()
+}
+
 /// Generates from `req` through `pipeline` (which must be empty), calling `on_token` for every
 /// new token as soon as it is chosen.
 pub fn generate(
@@ -134,47 +215,26 @@ pub fn generate(
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation> {
-    req.sampling.validate()?;
-    if req.prompt.is_empty() {
-        return Err(ModelError::Input("the prompt is empty".into()));
-    }
     if !pipeline.is_empty() {
-        return Err(ModelError::Input(
-            "the pipeline already holds a generation".into(),
-        ));
+        return Err(ModelError::Input("the pipeline already holds a generation".into()));
     }
-    let max_pos = pipeline.model.config.max_positions;
-    if req.prompt.len() > max_pos {
-        return Err(ModelError::Input(format!(
-            "the prompt has {} tokens but the model has {} positions",
-            req.prompt.len(),
-            max_pos
-        )));
-    }
+    let mut tl = TokenLoop::new(req, pipeline.model.config.max_positions)?;
     let mut logits = pipeline.prefill(gemm, &req.prompt, req.chunk)?;
-    let mut tokens = Vec::new();
     let stop = loop {
-        if tokens.len() >= req.max_new_tokens {
-            break StopReason::Length;
+        match tl.next(&logits)? {
+            Next::Feed(t) => {
+                on_token(t);
+                logits = pipeline.forward(gemm, &[t], false)?;
+            }
+            Next::Last(t, why) => {
+                on_token(t);
+                break why;
+            }
+            Next::Done(why) => break why,
         }
-        // The token sampled here takes absolute position `pos`.
-        let pos = req.prompt.len() + tokens.len();
-        let t = sample(&logits, &req.sampling, pos)?;
-        tokens.push(t);
-        on_token(t);
-        if req.stop_tokens.contains(&t) {
-            break StopReason::Stop;
-        }
-        if tokens.len() >= req.max_new_tokens {
-            break StopReason::Length;
-        }
-        if pos + 1 > max_pos - 1 + 1 || pipeline.len() >= max_pos {
-            break StopReason::Context;
-        }
-        logits = pipeline.forward(gemm, &[t], false)?;
     };
     Ok(Generation {
-        tokens,
+        tokens: tl.tokens,
         final_logits: logits,
         stop,
     })

@@ -78,17 +78,23 @@ impl SafetensorsSource {
             }
             files.sort();
             files.into_iter().map(|f| dir.join(f)).collect()
+        } else if dir.join("model.safetensors").is_file() {
+            // Only the weights: a folder may hold other safetensors files (test outputs, …).
+            vec![dir.join("model.safetensors")]
         } else {
             let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
                 .map_err(|e| ModelError::io(dir, e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .filter(|p| {
+                    p.extension().is_some_and(|x| x == "safetensors")
+                        && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("model"))
+                })
                 .collect();
             files.sort();
             files
         };
         if files.is_empty() {
-            return Err(ModelError::format(dir, "no *.safetensors files"));
+            return Err(ModelError::format(dir, "no model.safetensors (or model.safetensors.index.json with its shards)"));
         }
         let mut shards = Vec::new();
         let mut index = HashMap::new();

@@ -11,6 +11,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
+pub mod identity;
 pub mod model;
 mod progress;
 pub mod sampling;

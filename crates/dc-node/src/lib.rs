@@ -1,14 +1,18 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! The DaisyChain daemon: loads the layers it serves, joins the swarm, announces itself, serves
+//! hops for other heads, heads generations it is elected for, and answers the local control
+//! API. Heavy maths runs on the compute pool through `spawn_blocking`, never on the async
+//! tasks that move messages.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+#![deny(missing_docs)]
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub mod api;
+pub mod config;
+pub mod head;
+pub mod memory;
+pub mod node;
+pub mod stage;
+pub mod status;
+pub mod view;
+
+pub use config::{LayerChoice, NodeConfig};
+pub use node::{run, Node};

@@ -46,6 +46,68 @@ pub enum Command {
     Perplexity(PerplexityArgs),
     /// Print the token ids of a text.
     Tokenize(TokenizeArgs),
+    /// Run the daemon: join the swarm and serve layers until SIGINT or SIGTERM.
+    Join(JoinArgs),
+    /// Show the local daemon's status.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct JoinArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Layers to serve: a half-open range A..B (0..2 serves layers 0 and 1), or auto.
+    #[arg(long, default_value = "auto")]
+    pub layers: String,
+    /// Addresses to listen on (multiaddrs; repeatable).
+    #[arg(long)]
+    pub listen: Vec<String>,
+    /// Peers to dial at start (multiaddrs; repeatable).
+    #[arg(long)]
+    pub bootstrap: Vec<String>,
+    /// Do not discover peers on the local network.
+    #[arg(long)]
+    pub no_mdns: bool,
+    /// Do not hold the head weights (embeddings, final norm, output projection).
+    #[arg(long)]
+    pub no_head: bool,
+    /// Data directory (identity key, caches); default: the platform data directory.
+    #[arg(long, env = "DCD_DATA_DIR")]
+    pub data_dir: Option<std::path::PathBuf>,
+    /// Control API address (loopback unless a token is set).
+    #[arg(long, default_value = "127.0.0.1:7370")]
+    pub api: std::net::SocketAddr,
+    /// Bearer token the control API requires.
+    #[arg(long, env = "DCD_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// Memory budget for weights and caches (e.g. 4GiB).
+    #[arg(long)]
+    pub max_memory: Option<String>,
+    /// Generations served at once.
+    #[arg(long, default_value_t = 8)]
+    pub max_generations: usize,
+    /// Seconds between announcements.
+    #[arg(long, default_value_t = 2.0)]
+    pub announce_secs: f64,
+    /// Seconds between shard re-checks (auto layers).
+    #[arg(long, default_value_t = 10.0)]
+    pub rebalance_secs: f64,
+    /// Skip the numeric self-test at start.
+    #[arg(long)]
+    pub no_selftest: bool,
+    /// Largest stage message (request or response) accepted or sent, bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_message_bytes: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The daemon's control API.
+    #[arg(long, default_value = "http://127.0.0.1:7370", env = "DCD_API")]
+    pub api: String,
+    /// Print the status JSON once.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Which model to use.
@@ -59,8 +121,16 @@ pub struct ModelArg {
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    #[command(flatten)]
-    pub model: ModelArg,
+    /// A Hugging Face model folder, a GGUF file, or the name of an installed model (runs in
+    /// this process).
+    #[arg(long, short = 'm', required_unless_present = "api", conflicts_with = "api")]
+    pub model: Option<String>,
+    /// Generate through the swarm via this daemon's control API (http://HOST:PORT).
+    #[arg(long)]
+    pub api: Option<String>,
+    /// Run in this process (the default with --model; here for symmetry with --api).
+    #[arg(long, conflicts_with = "api")]
+    pub local: bool,
     /// The prompt text.
     #[arg(
         long,

@@ -3,6 +3,7 @@
 mod bench;
 mod model_cmds;
 mod selftest;
+mod swarm;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,6 +25,8 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Logits(a) => model_cmds::logits(g, a),
         Command::Perplexity(a) => model_cmds::perplexity(g, a),
         Command::Tokenize(a) => model_cmds::tokenize(a),
+        Command::Join(a) => swarm::join(g, a),
+        Command::Status(a) => swarm::status(a),
     }
 }
 

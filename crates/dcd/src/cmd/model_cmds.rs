@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use dc_kernels::elementwise::log_sum_exp;
 use dc_kernels::{Gemm, Kernel};
-use dc_model::generate::{generate as run_generation, GenerateRequest, LocalPipeline};
+use dc_model::generate::{generate as run_generation, logits_commitment, GenerateRequest, LocalPipeline};
 use dc_model::sampling::SamplingParams;
 use dc_model::tokenizer::{load_for_model, StreamDecoder};
 use safetensors::tensor::TensorView;
@@ -19,8 +19,12 @@ use super::{engine, load_model, model_path};
 use crate::cli::{BenchModelArgs, GenerateArgs, Global, LogitsArgs, PerplexityArgs, TokenizeArgs};
 
 pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
+    if let Some(api) = &a.api {
+        return super::swarm::generate_api(a, api);
+    }
     let gemm = engine(global)?;
-    let l = load_model(&a.model)?;
+    let model = a.model.clone().context("give --model (or --api)")?;
+    let l = load_model(&crate::cli::ModelArg { model })?;
     let prompt = match (&a.prompt, &a.prompt_ids) {
         (Some(text), _) => l.tokenizer()?.encode(text, false)?,
         (None, Some(ids)) => ids.clone(),
@@ -73,7 +77,13 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
     if a.json {
         println!(
             "{}",
-            json!({"prompt_ids": prompt, "tokens": out.tokens, "text": text, "stop": out.stop})
+            json!({
+                "prompt_ids": prompt,
+                "tokens": out.tokens,
+                "text": text,
+                "stop": out.stop,
+                "final_logits": logits_commitment(pipeline.len() - 1, &out.final_logits).to_hex(),
+            })
         );
     } else {
         let rest = match decoder.as_mut() {

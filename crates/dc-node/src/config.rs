@@ -1,0 +1,101 @@
+//! The daemon's resolved configuration (the command line resolves flags, environment and the
+//! config file into this one value).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dc_kernels::Kernel;
+use dc_types::LayerRange;
+use libp2p::Multiaddr;
+
+/// Which layers to serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerChoice {
+    /// Exactly these.
+    Fixed(LayerRange),
+    /// The least-served window that fits the memory budget, re-checked periodically.
+    Auto,
+}
+
+/// Everything `dcd join` needs.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Model path (HF folder or GGUF file).
+    pub model: PathBuf,
+    /// Layers to serve.
+    pub layers: LayerChoice,
+    /// Whether to hold the head weights.
+    pub head: bool,
+    /// Listen addresses.
+    pub listen: Vec<Multiaddr>,
+    /// Bootstrap peers.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Local-network discovery.
+    pub mdns: bool,
+    /// Data directory (identity key, caches).
+    pub data_dir: PathBuf,
+    /// Control API address.
+    pub api: SocketAddr,
+    /// Bearer token the control API requires (required when not bound to loopback).
+    pub api_token: Option<String>,
+    /// Memory budget for weights and caches, bytes.
+    pub max_memory: Option<u64>,
+    /// GEMM kernel.
+    pub kernel: Kernel,
+    /// Compute threads.
+    pub threads: usize,
+    /// Generations served at once (as head or stage).
+    pub max_generations: usize,
+    /// Announcement period.
+    pub announce_every: Duration,
+    /// Shard re-check period (auto layers).
+    pub rebalance_every: Duration,
+    /// A peer not heard from for this long is gone.
+    pub peer_timeout: Duration,
+    /// With auto layers: how long to listen for announcements before choosing.
+    pub discovery_wait: Duration,
+    /// A generation's KV cache idle for this long is dropped.
+    pub generation_idle_timeout: Duration,
+    /// Timeout of one stage request.
+    pub request_timeout: Duration,
+    /// Largest stage message (request or response), bytes.
+    pub max_message_bytes: usize,
+    /// Prefill chunk (positions per hop).
+    pub chunk: usize,
+    /// Run the numeric self-test before serving.
+    pub selftest: bool,
+}
+
+impl NodeConfig {
+    /// Defaults for everything but the model.
+    pub fn new(model: PathBuf, data_dir: PathBuf) -> NodeConfig {
+        NodeConfig {
+            model,
+            layers: LayerChoice::Auto,
+            head: true,
+            listen: vec![
+                "/ip4/0.0.0.0/tcp/7371".parse().expect("valid multiaddr"),
+                "/ip4/0.0.0.0/udp/7371/quic-v1".parse().expect("valid multiaddr"),
+            ],
+            bootstrap: Vec::new(),
+            mdns: true,
+            data_dir,
+            api: "127.0.0.1:7370".parse().expect("valid socket address"),
+            api_token: None,
+            max_memory: None,
+            kernel: Kernel::best(),
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            max_generations: 8,
+            announce_every: Duration::from_secs(2),
+            rebalance_every: Duration::from_secs(10),
+            peer_timeout: Duration::from_secs(10),
+            discovery_wait: Duration::from_secs(3),
+            generation_idle_timeout: Duration::from_secs(300),
+            request_timeout: Duration::from_secs(120),
+            max_message_bytes: 64 << 20,
+            chunk: 64,
+            selftest: true,
+        }
+    }
+}

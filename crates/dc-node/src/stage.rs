@@ -1,0 +1,233 @@
+//! Serving hops: the KV caches this daemon keeps for other heads' generations, and the checks
+//! that keep a hostile or confused peer from costing more than a refusal.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dc_model::{Activations, KvCache};
+use dc_types::{GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, LayerRange, PeerState, WireActivations};
+
+use crate::node::Node;
+
+/// Most positions one hop may carry (bounds the compute one request can demand).
+pub const MAX_HOP_ROWS: usize = 2048;
+
+/// One generation's cache in this daemon.
+#[derive(Debug)]
+struct Entry {
+    /// `None` while a hop is using it.
+    cache: Option<KvCache>,
+    layers: LayerRange,
+    last_used: Instant,
+}
+
+/// The KV caches this daemon holds, one per generation, bounded in number and dropped when
+/// idle.
+#[derive(Debug, Default)]
+pub struct StageCaches {
+    entries: HashMap<GenerationId, Entry>,
+}
+
+impl StageCaches {
+    /// Generations with a cache here.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no cache is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes held by caches not in use.
+    pub fn bytes(&self) -> usize {
+        self.entries
+            .values()
+            .filter_map(|e| e.cache.as_ref().map(KvCache::bytes))
+            .sum()
+    }
+
+    /// Drops the cache of a finished generation.
+    pub fn end(&mut self, g: &GenerationId) -> bool {
+        self.entries.remove(g).is_some()
+    }
+
+    /// Drops caches idle for longer than `idle`; returns how many.
+    pub fn expire(&mut self, now: Instant, idle: Duration) -> usize {
+        let before = self.entries.len();
+        self.entries
+            .retain(|_, e| e.cache.is_none() || now.duration_since(e.last_used) <= idle);
+        before - self.entries.len()
+    }
+
+    /// Takes the cache of `g` for a hop at position `start` over `layers`, creating it for a
+    /// new generation (start 0). At most `max` generations are held.
+    fn take(&mut self, g: GenerationId, layers: LayerRange, start: usize, cfg: &dc_model::ModelConfig, max: usize) -> Result<KvCache, (HopErrorKind, String)> {
+        if start == 0 {
+            if self.entries.get(&g).is_some_and(|e| e.cache.is_none()) {
+                return Err((HopErrorKind::BadActivations, format!("generation {g} is already running a hop here")));
+            }
+            self.entries.remove(&g);
+            if self.entries.len() >= max {
+                return Err((HopErrorKind::Overloaded, format!("already serving {max} generations")));
+            }
+            self.entries.insert(
+                g,
+                Entry {
+                    cache: None,
+                    layers,
+                    last_used: Instant::now(),
+                },
+            );
+            return Ok(KvCache::new(cfg, layers.as_range()));
+        }
+        let e = self
+            .entries
+            .get_mut(&g)
+            .ok_or((HopErrorKind::BadActivations, format!("no cache for generation {g} (it expired or never started here)")))?;
+        if e.layers != layers {
+            return Err((HopErrorKind::WrongLayers, format!("generation {g} runs layers {} here, not {layers}", e.layers)));
+        }
+        let cache = e
+            .cache
+            .take()
+            .ok_or((HopErrorKind::BadActivations, format!("generation {g} is already running a hop here")))?;
+        if cache.len() != start {
+            let held = cache.len();
+            e.cache = Some(cache);
+            return Err((HopErrorKind::BadActivations, format!("activations start at position {start} but the cache holds {held}")));
+        }
+        Ok(cache)
+    }
+
+    /// Returns a cache after a hop (successful or not: a failed hop leaves it unchanged only if
+    /// the model refused before touching it, so failures drop it).
+    fn put(&mut self, g: GenerationId, cache: Option<KvCache>) {
+        match (self.entries.get_mut(&g), cache) {
+            (Some(e), Some(c)) => {
+                e.cache = Some(c);
+                e.last_used = Instant::now();
+            }
+            _ => {
+                self.entries.remove(&g);
+            }
+        }
+    }
+}
+
+/// Converts wire activations, checking their shape.
+pub fn from_wire(w: WireActivations, hidden: usize, max_positions: usize) -> Result<Activations, String> {
+    if w.hidden as usize != hidden {
+        return Err(format!("activations are {} wide, the model is {hidden}", w.hidden));
+    }
+    if w.data.is_empty() || w.data.len() % hidden != 0 {
+        return Err(format!("{} values are not whole rows of {hidden}", w.data.len()));
+    }
+    let rows = w.data.len() / hidden;
+    if w.start as usize + rows > max_positions {
+        return Err(format!("positions {}..{} exceed the model's {max_positions}", w.start, w.start as usize + rows));
+    }
+    if let Some(i) = w.data.iter().position(|v| !v.is_finite()) {
+        return Err(format!("non-finite value {} at position {}, channel {}", w.data[i], w.start as usize + i / hidden, i % hidden));
+    }
+    Ok(Activations {
+        start: w.start as usize,
+        hidden,
+        data: w.data,
+    })
+}
+
+/// Converts activations for the wire.
+pub fn to_wire(a: &Activations) -> WireActivations {
+    WireActivations {
+        start: a.start as u32,
+        hidden: a.hidden as u32,
+        data: a.data.clone(),
+    }
+}
+
+fn refuse(kind: HopErrorKind, message: impl Into<String>) -> HopResponse {
+    HopResponse::Refused {
+        kind,
+        message: message.into(),
+    }
+}
+
+/// Runs one hop on this daemon's layers (for a remote head or for itself as head).
+pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
+    if req.model_id != node.model_id {
+        return refuse(HopErrorKind::WrongModel, format!("this daemon serves model {}, not {}", node.model_id, req.model_id));
+    }
+    let Some(serving) = node.serving() else {
+        return refuse(HopErrorKind::Overloaded, "still loading");
+    };
+    if !serving.layers.covers(&req.layers) {
+        return refuse(HopErrorKind::WrongLayers, format!("this daemon serves layers {}, not {}", serving.layers, req.layers));
+    }
+    if node.state() == PeerState::Leaving && req.activations.start == 0 {
+        return refuse(HopErrorKind::Leaving, "this daemon is leaving and takes no new generations");
+    }
+    let cfg = &node.model_cfg;
+    let x = match from_wire(req.activations, cfg.hidden_size, cfg.max_positions) {
+        Ok(x) => x,
+        Err(e) => return refuse(HopErrorKind::BadActivations, e),
+    };
+    if x.rows() > MAX_HOP_ROWS {
+        return refuse(HopErrorKind::BadActivations, format!("{} positions in one hop exceed the limit of {MAX_HOP_ROWS}", x.rows()));
+    }
+    let taken = node
+        .caches
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take(req.generation, req.layers, x.start, cfg, node.cfg.max_generations);
+    let mut cache = match taken {
+        Ok(c) => c,
+        Err((kind, msg)) => return refuse(kind, msg),
+    };
+    let input = x.commitment();
+    let Ok(_permit) = node.compute.clone().acquire_owned().await else {
+        return refuse(HopErrorKind::Internal, "shutting down");
+    };
+    let (n2, s2) = (node.clone(), serving.clone());
+    let result = tokio::task::spawn_blocking(move || {
+        let out = s2.model.run_layers(&n2.gemm, x, &mut cache);
+        (out, cache)
+    })
+    .await;
+    let (out, cache) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            node.caches.lock().unwrap_or_else(|e| e.into_inner()).put(req.generation, None);
+            return refuse(HopErrorKind::Internal, format!("compute task failed: {e}"));
+        }
+    };
+    match out {
+        Ok(y) => {
+            node.caches.lock().unwrap_or_else(|e| e.into_inner()).put(req.generation, Some(cache));
+            node.stats.hops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            node.stats
+                .positions
+                .fetch_add(y.rows() as u64, std::sync::atomic::Ordering::Relaxed);
+            let record = HopRecord {
+                generation: req.generation,
+                step: req.step,
+                layers: req.layers,
+                input,
+                output: y.commitment(),
+                gemms: Default::default(),
+            };
+            match dc_net::signing::sign(&node.keypair, "hop", record) {
+                Ok(record) => HopResponse::Done {
+                    activations: to_wire(&y),
+                    record,
+                },
+                Err(e) => refuse(HopErrorKind::Internal, format!("signing: {e}")),
+            }
+        }
+        Err(e) => {
+            node.caches.lock().unwrap_or_else(|e| e.into_inner()).put(req.generation, None);
+            refuse(HopErrorKind::BadActivations, e.to_string())
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! The daemon's status as one JSON document (`GET /status`, `dcd status --json`): this peer,
+//! the peers it knows, layer coverage and counters.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::node::Node;
+use crate::view::coverage;
+
+/// The status document.
+pub fn status(node: &Node) -> Value {
+    let serving = node.serving();
+    let now = Instant::now();
+    let view = node.view.lock().unwrap_or_else(|e| e.into_inner());
+    let peers: Vec<Value> = view
+        .peers()
+        .map(|(id, p)| {
+            let a = &p.announcement;
+            json!({
+                "peer_id": id,
+                "layers": a.layers.map(|l| l.to_string()),
+                "head": a.head,
+                "state": a.state.name(),
+                "throughput": a.throughput,
+                "free_memory": a.free_memory,
+                "active_generations": a.active_generations,
+                "software": a.software,
+                "last_seen_ms": now.duration_since(p.last_seen).as_millis() as u64,
+            })
+        })
+        .collect();
+    drop(view);
+    let n = node.model_cfg.num_layers as u32;
+    let cov = coverage(n, &node.participants());
+    json!({
+        "peer_id": node.local,
+        "listen_addrs": node.listen_addrs().iter().map(|a| format!("{a}/p2p/{}", node.local)).collect::<Vec<_>>(),
+        "software": format!("dcd {}", env!("CARGO_PKG_VERSION")),
+        "model": node.cfg.model.display().to_string(),
+        "model_id": node.model_id.to_string(),
+        "num_layers": n,
+        "layers": serving.as_ref().map(|s| s.layers.to_string()),
+        "head": serving.as_ref().is_some_and(|s| s.head),
+        "state": node.state().name(),
+        "uptime_s": node.started.elapsed().as_secs(),
+        "throughput": node.throughput(),
+        "kernel": node.gemm.kernel().name(),
+        "threads": node.gemm.threads(),
+        "memory": {
+            "budget": node.cfg.max_memory,
+            "weights": node.weights_bytes(),
+            "kv_caches": node.caches.lock().unwrap_or_else(|e| e.into_inner()).bytes(),
+        },
+        "generations": {
+            "active": node.active_generations(),
+            "max": node.cfg.max_generations,
+            "requests": node.stats.requests.load(Ordering::Relaxed),
+        },
+        "hops_served": node.stats.hops.load(Ordering::Relaxed),
+        "positions_served": node.stats.positions.load(Ordering::Relaxed),
+        "tokens_generated": node.stats.tokens.load(Ordering::Relaxed),
+        "coverage": cov,
+        "peers": peers,
+    })
+}
