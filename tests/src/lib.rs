@@ -1,1 +1,226 @@
-//! Shared helpers for the end-to-end tests.
+//! Helpers for the end-to-end tests: start real `dcd` daemons on loopback, read what they
+//! print, query their control API, run the local reference, and stop them (gracefully or not).
+
+#![allow(clippy::unwrap_used)] // test support: a panic is the failure report
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The `dcd` binary next to the test executable (cargo builds it for `cargo test --workspace`).
+pub fn dcd() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let bin = dir.join("dcd");
+    assert!(
+        bin.is_file(),
+        "{} not found: build it with cargo build (cargo test --workspace does)",
+        bin.display()
+    );
+    bin
+}
+
+/// `../shared/fixtures`.
+pub fn fixtures() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    assert!(p.is_dir(), "shared fixtures not found at {}", p.display());
+    p
+}
+
+/// A running `dcd join`.
+#[derive(Debug)]
+pub struct Daemon {
+    /// The process.
+    pub child: Child,
+    /// Everything it printed on stdout so far.
+    pub out: Arc<Mutex<Vec<String>>>,
+    /// Its stderr log file.
+    pub log: PathBuf,
+    /// Its data directory.
+    pub data: PathBuf,
+    /// Control API base URL.
+    pub api: String,
+    /// Peer id.
+    pub peer_id: String,
+    /// A TCP listen address with /p2p/ suffix.
+    pub addr: String,
+}
+
+fn wait_line(
+    out: &Arc<Mutex<Vec<String>>>,
+    prefix: &str,
+    timeout: Duration,
+    child: &mut Child,
+    log: &Path,
+) -> String {
+    let start = Instant::now();
+    loop {
+        if let Some(l) = out.lock().unwrap().iter().find(|l| l.starts_with(prefix)) {
+            return l.clone();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "dcd exited ({status}) before printing {prefix:?}; stdout: {:?}; log: {}",
+                out.lock().unwrap(),
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "no {prefix:?} within {timeout:?}; stdout: {:?}",
+            out.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Daemon {
+    /// Starts `dcd join --model <model> <extra…>` on loopback with mDNS off and fast
+    /// announcements, and waits until it serves.
+    pub fn start(dir: &Path, name: &str, model: &Path, extra: &[&str]) -> Daemon {
+        let data = dir.join(name);
+        std::fs::create_dir_all(&data).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let mut cmd = Command::new(dcd());
+        cmd.args(["join", "--model"])
+            .arg(model)
+            .args([
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--no-mdns",
+                "--api",
+                "127.0.0.1:0",
+                "--announce-secs",
+                "0.3",
+                "--rebalance-secs",
+                "1.5",
+                "--threads",
+                "1",
+            ])
+            .arg("--data-dir")
+            .arg(&data)
+            .args(extra)
+            .env("DCD_LOG", "info,libp2p=warn")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap());
+        let mut child = cmd.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let o2 = out.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                o2.lock().unwrap().push(line);
+            }
+        });
+        let t = Duration::from_secs(60);
+        let api = wait_line(&out, "control API on ", t, &mut child, &log)
+            ["control API on ".len()..]
+            .to_string();
+        let peer_id =
+            wait_line(&out, "peer id ", t, &mut child, &log)["peer id ".len()..].to_string();
+        let addr = wait_line(
+            &out,
+            "listening on /ip4/127.0.0.1/tcp/",
+            t,
+            &mut child,
+            &log,
+        )["listening on ".len()..]
+            .to_string();
+        wait_line(&out, "serving layers ", t, &mut child, &log);
+        Daemon {
+            child,
+            out,
+            log,
+            data,
+            api,
+            peer_id,
+            addr,
+        }
+    }
+
+    /// The status document.
+    pub fn status(&self) -> Value {
+        let mut r = ureq::get(&format!("{}/status", self.api)).call().unwrap();
+        serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
+    }
+
+    /// The layers it serves now.
+    pub fn layers(&self) -> String {
+        self.status()["layers"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Its log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for a clean exit; returns what it printed.
+    pub fn leave(mut self) -> Vec<String> {
+        #[cfg(unix)]
+        // SAFETY: signalling our own child process.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "dcd exited with {status} after SIGTERM; log: {}",
+                    self.log_text()
+                );
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "dcd did not exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let out = self.out.lock().unwrap().clone();
+        out
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Runs `dcd <args>` and returns stdout (panics with stderr on failure).
+pub fn run_dcd(args: &[&str]) -> String {
+    let out = Command::new(dcd()).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "dcd {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `dcd generate … --json` as parsed JSON.
+pub fn generate_json(args: &[&str]) -> Value {
+    let mut all = vec!["generate"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    serde_json::from_str(run_dcd(&all).trim()).unwrap()
+}

@@ -81,8 +81,14 @@ where
     where
         T: AsyncRead + Unpin + Send,
     {
-        let bytes = read_frame(io, self.max_request).await?;
-        dc_types::decode(&bytes, self.max_request).map_err(invalid)
+        // Failures here never reach the behaviour's events (the request was never read), so
+        // they are logged where they happen.
+        let bytes = read_frame(io, self.max_request).await.inspect_err(|e| {
+            tracing::warn!("refused a stage request: {e}");
+        })?;
+        dc_types::decode(&bytes, self.max_request)
+            .map_err(invalid)
+            .inspect_err(|e| tracing::warn!("refused a stage request: {e}"))
     }
 
     async fn read_response<T>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<Resp>

@@ -80,13 +80,26 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
     };
     let max = node.model_cfg.max_positions;
     if prompt.is_empty() || prompt.len() >= max {
-        return Err(format!("the prompt has {} tokens; it must have 1 to {}", prompt.len(), max - 1));
+        return Err(format!(
+            "the prompt has {} tokens; it must have 1 to {}",
+            prompt.len(),
+            max - 1
+        ));
     }
-    if let Some(t) = prompt.iter().find(|&&t| t as usize >= node.model_cfg.vocab_size) {
-        return Err(format!("token id {t} is out of range (vocabulary of {})", node.model_cfg.vocab_size));
+    if let Some(t) = prompt
+        .iter()
+        .find(|&&t| t as usize >= node.model_cfg.vocab_size)
+    {
+        return Err(format!(
+            "token id {t} is out of range (vocabulary of {})",
+            node.model_cfg.vocab_size
+        ));
     }
     if b.max_new_tokens as usize > max {
-        return Err(format!("max_new_tokens {} exceeds the model's {max} positions", b.max_new_tokens));
+        return Err(format!(
+            "max_new_tokens {} exceeds the model's {max} positions",
+            b.max_new_tokens
+        ));
     }
     let sampling = SamplingParams {
         temperature: b.temperature,
@@ -106,12 +119,22 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
             top_p: b.top_p.unwrap_or(1.0),
             seed: b.seed,
         },
-        stop_tokens: if b.ignore_eos { Vec::new() } else { node.special.eos.clone() },
-        chunk: b.chunk.unwrap_or(node.cfg.chunk as u32).clamp(1, crate::stage::MAX_HOP_ROWS as u32),
+        stop_tokens: if b.ignore_eos {
+            Vec::new()
+        } else {
+            node.special.eos.clone()
+        },
+        chunk: b
+            .chunk
+            .unwrap_or(node.cfg.chunk as u32)
+            .clamp(1, crate::stage::MAX_HOP_ROWS as u32),
     })
 }
 
-async fn generate(State(node): State<Arc<Node>>, body: Result<Json<GenerateBody>, axum::extract::rejection::JsonRejection>) -> Response {
+async fn generate(
+    State(node): State<Arc<Node>>,
+    body: Result<Json<GenerateBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
     let Json(body) = match body {
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
@@ -121,7 +144,13 @@ async fn generate(State(node): State<Arc<Node>>, body: Result<Json<GenerateBody>
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
     let Ok(permit) = node.generations.clone().try_acquire_owned() else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, format!("already running {} generations; try again later", node.cfg.max_generations));
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "already running {} generations; try again later",
+                node.cfg.max_generations
+            ),
+        );
     };
     node.stats.requests.fetch_add(1, Ordering::Relaxed);
     let generation = req.generation;
@@ -147,11 +176,19 @@ async fn generate(State(node): State<Arc<Node>>, body: Result<Json<GenerateBody>
                     let text = decoder.as_mut().and_then(|d| d.push(id).ok());
                     json!({"event": "token", "index": index, "id": id, "text": text})
                 }
-                GenerationEvent::Done { tokens, stop, final_logits } => {
-                    let text = tokenizer.as_ref().and_then(|t| t.decode(&tokens, true).ok());
+                GenerationEvent::Done {
+                    tokens,
+                    stop,
+                    final_logits,
+                } => {
+                    let text = tokenizer
+                        .as_ref()
+                        .and_then(|t| t.decode(&tokens, true).ok());
                     json!({"event": "done", "tokens": tokens, "text": text, "stop": stop, "final_logits": final_logits.to_hex()})
                 }
-                GenerationEvent::Failed { message } => json!({"event": "error", "message": message}),
+                GenerationEvent::Failed { message } => {
+                    json!({"event": "error", "message": message})
+                }
             };
             let last = matches!(line["event"].as_str(), Some("done" | "error"));
             if tx.send(Ok(Bytes::from(format!("{line}\n")))).await.is_err() || last {
@@ -173,7 +210,9 @@ where
 {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(f(tx));
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
 }
 
 async fn require_token(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
@@ -205,7 +244,9 @@ pub fn router(node: Arc<Node>) -> Router {
 pub async fn serve(node: Arc<Node>) -> Result<SocketAddr, String> {
     let addr = node.cfg.api;
     if !addr.ip().is_loopback() && node.cfg.api_token.is_none() {
-        return Err(format!("the control API on {addr} is not loopback: set a bearer token (DCD_API_TOKEN)"));
+        return Err(format!(
+            "the control API on {addr} is not loopback: set a bearer token (DCD_API_TOKEN)"
+        ));
     }
     let listener = tokio::net::TcpListener::bind(addr)
         .await

@@ -76,7 +76,9 @@ impl NodeConfig {
             head: true,
             listen: vec![
                 "/ip4/0.0.0.0/tcp/7371".parse().expect("valid multiaddr"),
-                "/ip4/0.0.0.0/udp/7371/quic-v1".parse().expect("valid multiaddr"),
+                "/ip4/0.0.0.0/udp/7371/quic-v1"
+                    .parse()
+                    .expect("valid multiaddr"),
             ],
             bootstrap: Vec::new(),
             mdns: true,

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
 use dc_model::sampling::SamplingParams;
 use dc_model::Activations;
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, HopRequest, HopResponse, RouteHop, StageRequest, StageResponse};
+use dc_types::{
+    GenerationEvent, GenerationId, GenerationRequest, HopRequest, HopResponse, RouteHop,
+    StageRequest, StageResponse,
+};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
@@ -29,7 +32,13 @@ fn sampling(req: &GenerationRequest) -> SamplingParams {
 
 /// Runs one hop: locally when the route says this daemon, else over the network, checking the
 /// stage's signed record against what we sent and what came back.
-async fn hop(node: &Arc<Node>, h: &RouteHop, g: GenerationId, step: u64, x: Activations) -> Result<Activations, String> {
+async fn hop(
+    node: &Arc<Node>,
+    h: &RouteHop,
+    g: GenerationId,
+    step: u64,
+    x: Activations,
+) -> Result<Activations, String> {
     let req = HopRequest {
         model_id: node.model_id,
         generation: g,
@@ -40,39 +49,76 @@ async fn hop(node: &Arc<Node>, h: &RouteHop, g: GenerationId, step: u64, x: Acti
     let resp = if h.peer == node.local {
         serve_hop(node.clone(), req).await
     } else {
-        let peer: libp2p::PeerId = h.peer.parse().map_err(|e| format!("route peer {}: {e}", h.peer))?;
-        match node.client.stage_request(peer, StageRequest::Hop(req)).await {
+        let peer: libp2p::PeerId = h
+            .peer
+            .parse()
+            .map_err(|e| format!("route peer {}: {e}", h.peer))?;
+        match node
+            .client
+            .stage_request(peer, StageRequest::Hop(req))
+            .await
+        {
             Ok(StageResponse::Hop(r)) => *r,
-            Ok(StageResponse::Ack) => return Err(format!("peer {} answered a hop with an ack", h.peer)),
-            Err(e) => return Err(format!("hop to {} (layers {}) failed: {e}", h.peer, h.layers)),
+            Ok(StageResponse::Ack) => {
+                return Err(format!("peer {} answered a hop with an ack", h.peer))
+            }
+            Err(e) => {
+                return Err(format!(
+                    "hop to {} (layers {}) failed: {e}",
+                    h.peer, h.layers
+                ))
+            }
         }
     };
     match resp {
-        HopResponse::Done { activations, record } => {
-            let signer = dc_net::signing::verify("hop", &record).map_err(|e| format!("peer {}: bad hop record: {e}", h.peer))?;
+        HopResponse::Done {
+            activations,
+            record,
+        } => {
+            let signer = dc_net::signing::verify("hop", &record)
+                .map_err(|e| format!("peer {}: bad hop record: {e}", h.peer))?;
             if signer.to_string() != h.peer {
                 return Err(format!("peer {} sent a record signed by {signer}", h.peer));
             }
-            let y = from_wire(activations, node.model_cfg.hidden_size, node.model_cfg.max_positions)
-                .map_err(|e| format!("peer {}: {e}", h.peer))?;
+            let y = from_wire(
+                activations,
+                node.model_cfg.hidden_size,
+                node.model_cfg.max_positions,
+            )
+            .map_err(|e| format!("peer {}: {e}", h.peer))?;
             let r = &record.body;
             if r.generation != g || r.step != step || r.layers != h.layers {
                 return Err(format!("peer {}: the record is for another hop", h.peer));
             }
             if r.input != x.commitment() {
-                return Err(format!("peer {}: the record commits to other input activations", h.peer));
+                return Err(format!(
+                    "peer {}: the record commits to other input activations",
+                    h.peer
+                ));
             }
             if r.output != y.commitment() || y.start != x.start || y.rows() != x.rows() {
-                return Err(format!("peer {}: the activations do not match its record", h.peer));
+                return Err(format!(
+                    "peer {}: the activations do not match its record",
+                    h.peer
+                ));
             }
             Ok(y)
         }
-        HopResponse::Refused { kind, message } => Err(format!("peer {} refused layers {}: {kind:?}: {message}", h.peer, h.layers)),
+        HopResponse::Refused { kind, message } => Err(format!(
+            "peer {} refused layers {}: {kind:?}: {message}",
+            h.peer, h.layers
+        )),
     }
 }
 
 /// Runs every stage of the route over `x`.
-async fn lap(node: &Arc<Node>, route: &[RouteHop], g: GenerationId, step: u64, mut x: Activations) -> Result<Activations, String> {
+async fn lap(
+    node: &Arc<Node>,
+    route: &[RouteHop],
+    g: GenerationId,
+    step: u64,
+    mut x: Activations,
+) -> Result<Activations, String> {
     for h in route {
         x = hop(node, h, g, step, x).await?;
     }
@@ -82,22 +128,36 @@ async fn lap(node: &Arc<Node>, route: &[RouteHop], g: GenerationId, step: u64, m
 /// Embeds `tokens` at `start` (head weights, compute pool).
 async fn embed(node: &Arc<Node>, tokens: Vec<u32>, start: usize) -> Result<Activations, String> {
     let serving = node.serving().ok_or("not serving yet")?;
-    tokio::task::spawn_blocking(move || serving.model.embed(&tokens, start).map_err(|e| e.to_string()))
-        .await
-        .map_err(|e| e.to_string())?
+    tokio::task::spawn_blocking(move || {
+        serving
+            .model
+            .embed(&tokens, start)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Logits of the last row.
 async fn readout(node: &Arc<Node>, x: Activations) -> Result<Vec<f32>, String> {
     let serving = node.serving().ok_or("not serving yet")?;
     let n2 = node.clone();
-    tokio::task::spawn_blocking(move || serving.model.readout(&n2.gemm, &x.last_row()).map_err(|e| e.to_string()))
-        .await
-        .map_err(|e| e.to_string())?
+    tokio::task::spawn_blocking(move || {
+        serving
+            .model
+            .readout(&n2.gemm, &x.last_row())
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Heads `req`: streams [`GenerationEvent`]s into `tx` until `Done` or `Failed`.
-pub async fn run_as_head(node: Arc<Node>, req: GenerationRequest, tx: mpsc::Sender<GenerationEvent>) {
+pub async fn run_as_head(
+    node: Arc<Node>,
+    req: GenerationRequest,
+    tx: mpsc::Sender<GenerationEvent>,
+) {
     let g = req.generation;
     let route = match plan(&node, &req) {
         Ok(r) => r,
@@ -106,8 +166,17 @@ pub async fn run_as_head(node: Arc<Node>, req: GenerationRequest, tx: mpsc::Send
             return;
         }
     };
-    node.stats.active_heads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    info!("heading generation {g}: route {}", route.iter().map(|h| format!("{}@{}", h.layers, &h.peer[h.peer.len().saturating_sub(6)..])).collect::<Vec<_>>().join(" → "));
+    node.stats
+        .active_heads
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    info!(
+        "heading generation {g}: route {}",
+        route
+            .iter()
+            .map(|h| format!("{}@{}", h.layers, &h.peer[h.peer.len().saturating_sub(6)..]))
+            .collect::<Vec<_>>()
+            .join(" → ")
+    );
     let _ = tx
         .send(GenerationEvent::Started {
             head: node.local.clone(),
@@ -115,15 +184,22 @@ pub async fn run_as_head(node: Arc<Node>, req: GenerationRequest, tx: mpsc::Send
         })
         .await;
     let result = drive(&node, &req, &route, &tx).await;
-    node.stats.active_heads.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    node.stats
+        .active_heads
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     // Free every stage's cache; remote ends are best effort (caches also expire when idle).
     for h in &route {
         if h.peer == node.local {
-            node.caches.lock().unwrap_or_else(|e| e.into_inner()).end(&g);
+            node.caches
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .end(&g);
         } else if let Ok(peer) = h.peer.parse() {
             let client = node.client.clone();
             tokio::spawn(async move {
-                let _ = client.stage_request(peer, StageRequest::End { generation: g }).await;
+                let _ = client
+                    .stage_request(peer, StageRequest::End { generation: g })
+                    .await;
             });
         }
     }
@@ -139,16 +215,29 @@ pub async fn run_as_head(node: Arc<Node>, req: GenerationRequest, tx: mpsc::Send
 
 fn plan(node: &Arc<Node>, req: &GenerationRequest) -> Result<Vec<RouteHop>, String> {
     if req.model_id != node.model_id {
-        return Err(format!("this daemon serves model {}, not {}", node.model_id, req.model_id));
+        return Err(format!(
+            "this daemon serves model {}, not {}",
+            node.model_id, req.model_id
+        ));
     }
     let serving = node.serving().ok_or("this daemon is still loading")?;
     if !serving.head {
         return Err("this daemon does not hold the head weights".into());
     }
-    plan_route(&req.generation, node.model_cfg.num_layers as u32, &node.local, &node.participants())
+    plan_route(
+        &req.generation,
+        node.model_cfg.num_layers as u32,
+        &node.local,
+        &node.participants(),
+    )
 }
 
-async fn drive(node: &Arc<Node>, req: &GenerationRequest, route: &[RouteHop], tx: &mpsc::Sender<GenerationEvent>) -> Result<GenerationEvent, String> {
+async fn drive(
+    node: &Arc<Node>,
+    req: &GenerationRequest,
+    route: &[RouteHop],
+    tx: &mpsc::Sender<GenerationEvent>,
+) -> Result<GenerationEvent, String> {
     let g = req.generation;
     let greq = GenerateRequest {
         prompt: req.prompt.clone(),
@@ -176,7 +265,9 @@ async fn drive(node: &Arc<Node>, req: &GenerationRequest, route: &[RouteHop], tx
             Next::Done(why) => (None, Some(why)),
         };
         if let Some(t) = t {
-            node.stats.tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            node.stats
+                .tokens
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let ev = GenerationEvent::Token {
                 index: tl.tokens.len() as u32 - 1,
                 id: t,

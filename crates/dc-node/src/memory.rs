@@ -71,10 +71,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "t" | "tb" => 1e12,
         "tib" => 1024f64.powi(4),
-        other => return Err(format!("size {s:?}: unknown unit {other:?} (use B, KB, MB, GB, KiB, MiB, GiB)")),
+        other => {
+            return Err(format!(
+                "size {s:?}: unknown unit {other:?} (use B, KB, MB, GB, KiB, MiB, GiB)"
+            ))
+        }
     };
     let v = n * mult;
-    if !v.is_finite() || v < 1.0 || v > 1e18 {
+    if !v.is_finite() || !(1.0..=1e18).contains(&v) {
         return Err(format!("size {s:?} is out of range"));
     }
     Ok(v as u64)

@@ -11,7 +11,10 @@ use dc_kernels::{Gemm, Kernel};
 use dc_model::tokenizer::{load_for_model, SpecialTokens, Tokenizer};
 use dc_model::{LoadOptions, Model, ModelConfig};
 use dc_net::{Client, NetConfig, NetEvent};
-use dc_types::{Announcement, GenerationEvent, GenerationRequest, LayerRange, ModelId, PeerState, StageRequest, StageResponse, PROTOCOL_VERSION};
+use dc_types::{
+    Announcement, GenerationEvent, GenerationRequest, LayerRange, ModelId, PeerState, StageRequest,
+    StageResponse, PROTOCOL_VERSION,
+};
 use futures::StreamExt;
 use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
@@ -106,7 +109,10 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// What we serve, once loaded.
     pub fn serving(&self) -> Option<Arc<Serving>> {
-        self.serving.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.serving
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Our state.
@@ -120,7 +126,10 @@ impl Node {
 
     /// Addresses we listen on.
     pub fn listen_addrs(&self) -> Vec<Multiaddr> {
-        self.listen_addrs.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.listen_addrs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Measured throughput of our layers (tokens per second at decode).
@@ -131,20 +140,34 @@ impl Node {
     /// The memory our weights take (estimate).
     pub fn weights_bytes(&self) -> u64 {
         self.serving().map_or(0, |s| {
-            s.layers.len() as u64 * layer_bytes(&self.model_cfg) + if s.head { head_bytes(&self.model_cfg) } else { 0 }
+            s.layers.len() as u64 * layer_bytes(&self.model_cfg)
+                + if s.head {
+                    head_bytes(&self.model_cfg)
+                } else {
+                    0
+                }
         })
     }
 
     /// Logs `msg` once per `key`.
     fn log_once(&self, key: String, msg: impl FnOnce() -> String) {
-        if self.logged.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+        if self
+            .logged
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key)
+        {
             info!("{}", msg());
         }
     }
 
     /// Ourselves plus every healthy serving peer, as planning sees them.
     pub fn participants(&self) -> Vec<Participant> {
-        let mut ps = self.view.lock().unwrap_or_else(|e| e.into_inner()).serving();
+        let mut ps = self
+            .view
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .serving();
         if let (Some(s), PeerState::Serving) = (self.serving(), self.state()) {
             ps.push(Participant {
                 peer: self.local.clone(),
@@ -165,7 +188,10 @@ impl Node {
 
     fn announcement(&self) -> Announcement {
         let s = self.serving();
-        let free = self.cfg.max_memory.map_or(0, |m| m.saturating_sub(self.weights_bytes()));
+        let free = self
+            .cfg
+            .max_memory
+            .map_or(0, |m| m.saturating_sub(self.weights_bytes()));
         Announcement {
             protocol_version: PROTOCOL_VERSION,
             software: format!("dcd {}", env!("CARGO_PKG_VERSION")),
@@ -195,7 +221,9 @@ impl Node {
         let ann: Announcement = match dc_types::decode(data, MAX_ANNOUNCEMENT) {
             Ok(a) => a,
             Err(e) => {
-                self.log_once(format!("bad:{from}"), || format!("ignoring peer {from}: malformed announcement: {e}"));
+                self.log_once(format!("bad:{from}"), || {
+                    format!("ignoring peer {from}: malformed announcement: {e}")
+                });
                 return;
             }
         };
@@ -207,11 +235,12 @@ impl Node {
                 });
             }
         }
-        let res = self
-            .view
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .update(from, ann, &self.model_id, Instant::now());
+        let res = self.view.lock().unwrap_or_else(|e| e.into_inner()).update(
+            from,
+            ann,
+            &self.model_id,
+            Instant::now(),
+        );
         match res {
             Ok(()) | Err(crate::view::Ignored::Stale) => {}
             Err(crate::view::Ignored::Protocol(v)) => self.log_once(format!("proto:{from}:{v}"), || {
@@ -235,7 +264,11 @@ async fn load(path: std::path::PathBuf, layers: LayerRange, head: bool) -> Resul
             },
         )
         .map_err(|e| format!("loading layers {layers}: {e}"))?;
-        Ok(Serving { model, layers, head })
+        Ok(Serving {
+            model,
+            layers,
+            head,
+        })
     })
     .await
     .map_err(|e| e.to_string())?
@@ -254,7 +287,9 @@ async fn measure_throughput(node: &Arc<Node>) -> f32 {
             let x = dc_model::Activations {
                 start: p,
                 hidden: cfg.hidden_size,
-                data: (0..cfg.hidden_size).map(|i| ((i * 7 + p) % 13) as f32 / 13.0 - 0.5).collect(),
+                data: (0..cfg.hidden_size)
+                    .map(|i| ((i * 7 + p) % 13) as f32 / 13.0 - 0.5)
+                    .collect(),
             };
             if s.model.run_layers(&n2.gemm, x, &mut cache).is_err() {
                 return 0.0;
@@ -274,7 +309,13 @@ fn selftest() -> Result<(), String> {
     if !gold.failures.is_empty() || !conf.failures.is_empty() {
         return Err(format!(
             "self-test failed: {}",
-            gold.failures.iter().chain(&conf.failures).take(3).cloned().collect::<Vec<_>>().join("; ")
+            gold.failures
+                .iter()
+                .chain(&conf.failures)
+                .take(3)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("; ")
         ));
     }
     Ok(())
@@ -287,7 +328,10 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         println!("self-test passed ({} kernels)", Kernel::supported().len());
     }
     let (model_cfg, _) = dc_model::model::open_source(&cfg.model).map_err(|e| e.to_string())?;
-    let model_id = ModelId(dc_model::identity::cached_model_id(&cfg.model, &cfg.data_dir).map_err(|e| e.to_string())?);
+    let model_id = ModelId(
+        dc_model::identity::cached_model_id(&cfg.model, &cfg.data_dir)
+            .map_err(|e| e.to_string())?,
+    );
     let keypair = dc_net::identity::load_or_create(&cfg.data_dir.join("identity.key"))?;
     let local = keypair.public().to_peer_id();
     let (tokenizer, special) = match load_for_model(&cfg.model) {
@@ -306,7 +350,10 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         listen: cfg.listen.clone(),
         bootstrap: cfg.bootstrap.clone(),
         mdns: cfg.mdns,
-        topic: format!("daisychain/announce/{PROTOCOL_VERSION}/{}", model_id.short()),
+        topic: format!(
+            "daisychain/announce/{PROTOCOL_VERSION}/{}",
+            model_id.short()
+        ),
         max_request_bytes: cfg.max_message_bytes,
         max_response_bytes: cfg.max_message_bytes,
         max_gossip_bytes: MAX_ANNOUNCEMENT,
@@ -341,7 +388,11 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         cfg,
     });
     println!("peer id {local}");
-    println!("model {} (model id {})", node.cfg.model.display(), node.model_id);
+    println!(
+        "model {} (model id {})",
+        node.cfg.model.display(),
+        node.model_id
+    );
 
     // Network events.
     {
@@ -355,10 +406,16 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
     // Generation streams forwarded to us as head.
     {
         let node = node.clone();
-        let mut incoming = client.accept_generation_streams().map_err(|e| e.to_string())?;
+        let mut incoming = client
+            .accept_generation_streams()
+            .map_err(|e| e.to_string())?;
         tokio::spawn(async move {
             while let Some((peer, stream)) = incoming.next().await {
-                tokio::spawn(serve_generation_stream(node.clone(), peer.to_string(), stream));
+                tokio::spawn(serve_generation_stream(
+                    node.clone(),
+                    peer.to_string(),
+                    stream,
+                ));
             }
         });
     }
@@ -371,7 +428,10 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
     let layers = match node.cfg.layers {
         LayerChoice::Fixed(r) => {
             if r.end as usize > node.model_cfg.num_layers {
-                return Err(format!("--layers {r}: the model has {} layers", node.model_cfg.num_layers));
+                return Err(format!(
+                    "--layers {r}: the model has {} layers",
+                    node.model_cfg.num_layers
+                ));
             }
             r
         }
@@ -381,10 +441,9 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         }
     };
     let fits_head = node.cfg.head
-        && node
-            .cfg
-            .max_memory
-            .is_none_or(|m| head_bytes(&node.model_cfg) + layers.len() as u64 * layer_bytes(&node.model_cfg) <= m);
+        && node.cfg.max_memory.is_none_or(|m| {
+            head_bytes(&node.model_cfg) + layers.len() as u64 * layer_bytes(&node.model_cfg) <= m
+        });
     if node.cfg.head && !fits_head {
         println!("the head weights do not fit the memory budget: serving without them");
     }
@@ -396,7 +455,11 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
     println!(
         "serving layers {layers} of {}{}",
         node.model_cfg.num_layers,
-        if fits_head { " with the head weights" } else { "" }
+        if fits_head {
+            " with the head weights"
+        } else {
+            ""
+        }
     );
     node.announce().await;
     sd_notify("READY=1");
@@ -439,7 +502,10 @@ async fn wait_for_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             let _ = tokio::signal::ctrl_c().await;
             return;
         };
@@ -467,7 +533,11 @@ fn choose_auto(node: &Arc<Node>) -> Result<LayerRange, String> {
     if fit == 0 {
         return Err("--max-memory is too small for even one layer".into());
     }
-    let others = node.view.lock().unwrap_or_else(|e| e.into_inner()).serving();
+    let others = node
+        .view
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .serving();
     let cov = coverage(n, &others);
     let w = least_served_window(n, fit, &cov);
     info!("auto layers: coverage {cov:?}, taking {w}");
@@ -477,13 +547,22 @@ fn choose_auto(node: &Arc<Node>) -> Result<LayerRange, String> {
 async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
     match ev {
         NetEvent::Gossip { from, data } => node.on_announcement(&from.to_string(), &data),
-        NetEvent::StageRequest { from, request, channel } => {
+        NetEvent::StageRequest {
+            from,
+            request,
+            channel,
+        } => {
             let node = node.clone();
             tokio::spawn(async move {
                 let response = match request {
-                    StageRequest::Hop(h) => StageResponse::Hop(Box::new(serve_hop(node.clone(), h).await)),
+                    StageRequest::Hop(h) => {
+                        StageResponse::Hop(Box::new(serve_hop(node.clone(), h).await))
+                    }
                     StageRequest::End { generation } => {
-                        node.caches.lock().unwrap_or_else(|e| e.into_inner()).end(&generation);
+                        node.caches
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .end(&generation);
                         StageResponse::Ack
                     }
                 };
@@ -494,14 +573,20 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
         }
         NetEvent::ListenAddr(a) => {
             println!("listening on {a}/p2p/{}", node.local);
-            node.listen_addrs.lock().unwrap_or_else(|e| e.into_inner()).push(a);
+            node.listen_addrs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(a);
         }
         NetEvent::Connected(p) => info!("connected to {p}"),
         NetEvent::Disconnected(p) => {
             let p = p.to_string();
             let mut view = node.view.lock().unwrap_or_else(|e| e.into_inner());
             // A peer that said it was leaving and is now gone is forgotten at once.
-            if view.get(&p).is_some_and(|i| i.announcement.state == PeerState::Leaving) {
+            if view
+                .get(&p)
+                .is_some_and(|i| i.announcement.state == PeerState::Leaving)
+            {
                 view.remove(&p);
             }
         }
@@ -512,8 +597,13 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
 async fn periodic(node: Arc<Node>, mut stop: watch::Receiver<bool>) {
     let mut announce = tokio::time::interval(node.cfg.announce_every);
     // Jitter so that auto daemons seeing the same gap do not all move at once.
-    let jitter = Duration::from_millis(u64::from(node.local.bytes().fold(0u8, |a, b| a.wrapping_add(b))) * 20);
-    let mut rebalance = tokio::time::interval_at(tokio::time::Instant::now() + node.cfg.rebalance_every / 2 + jitter, node.cfg.rebalance_every);
+    let jitter = Duration::from_millis(
+        u64::from(node.local.bytes().fold(0u8, |a, b| a.wrapping_add(b))) * 20,
+    );
+    let mut rebalance = tokio::time::interval_at(
+        tokio::time::Instant::now() + node.cfg.rebalance_every / 2 + jitter,
+        node.cfg.rebalance_every,
+    );
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -538,18 +628,27 @@ async fn periodic(node: Arc<Node>, mut stop: watch::Receiver<bool>) {
 
 /// Moves to a better window if the swarm's weakest layer gains and nothing is left uncovered.
 async fn rebalance_once(node: &Arc<Node>) -> Result<(), String> {
-    let Some(current) = node.serving() else { return Ok(()) };
+    let Some(current) = node.serving() else {
+        return Ok(());
+    };
     if node.active_generations() > 0 {
         return Ok(());
     }
     let n = node.model_cfg.num_layers as u32;
-    let others = node.view.lock().unwrap_or_else(|e| e.into_inner()).serving();
+    let others = node
+        .view
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .serving();
     let cov = coverage(n, &others);
     let proposed = least_served_window(n, current.layers.len(), &cov);
     if !should_move(current.layers, proposed, &cov) {
         return Ok(());
     }
-    info!("moving from layers {} to {proposed} (coverage without us: {cov:?})", current.layers);
+    info!(
+        "moving from layers {} to {proposed} (coverage without us: {cov:?})",
+        current.layers
+    );
     println!("moving from layers {} to {proposed}", current.layers);
     // Keep serving the old range while the new one loads: nothing is uncovered meanwhile.
     let serving = load(node.cfg.model.clone(), proposed, current.head).await?;
@@ -563,18 +662,26 @@ async fn rebalance_once(node: &Arc<Node>) -> Result<(), String> {
 /// stream the events back.
 async fn serve_generation_stream(node: Arc<Node>, peer: String, mut stream: libp2p::Stream) {
     let timeout = node.cfg.request_timeout;
-    let req: GenerationRequest = match dc_net::frames::recv(&mut stream, MAX_GENERATION_MESSAGE, Duration::from_secs(30)).await {
-        Ok(r) => r,
-        Err(e) => {
-            warn!("bad generation request from {peer}: {e}");
-            return;
-        }
-    };
+    let req: GenerationRequest =
+        match dc_net::frames::recv(&mut stream, MAX_GENERATION_MESSAGE, Duration::from_secs(30))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("bad generation request from {peer}: {e}");
+                return;
+            }
+        };
     let (tx, mut rx) = mpsc::channel(EVENT_QUEUE);
     tokio::spawn(run_as_head(node.clone(), req, tx));
     while let Some(ev) = rx.recv().await {
-        let last = matches!(ev, GenerationEvent::Done { .. } | GenerationEvent::Failed { .. });
-        if let Err(e) = dc_net::frames::send(&mut stream, &ev, MAX_GENERATION_MESSAGE, timeout).await {
+        let last = matches!(
+            ev,
+            GenerationEvent::Done { .. } | GenerationEvent::Failed { .. }
+        );
+        if let Err(e) =
+            dc_net::frames::send(&mut stream, &ev, MAX_GENERATION_MESSAGE, timeout).await
+        {
             warn!("generation stream to {peer} broke: {e}");
             return;
         }
@@ -587,7 +694,10 @@ async fn serve_generation_stream(node: Arc<Node>, peer: String, mut stream: libp
 
 /// Starts a generation from the control API: elects the head (maybe ourselves) and returns the
 /// stream of its events.
-pub async fn start_generation(node: Arc<Node>, req: GenerationRequest) -> Result<mpsc::Receiver<GenerationEvent>, String> {
+pub async fn start_generation(
+    node: Arc<Node>,
+    req: GenerationRequest,
+) -> Result<mpsc::Receiver<GenerationEvent>, String> {
     let participants = node.participants();
     let head = crate::view::elect_head(&req.generation, &participants)
         .ok_or("no healthy peer holds the head weights")?
@@ -599,20 +709,33 @@ pub async fn start_generation(node: Arc<Node>, req: GenerationRequest) -> Result
         return Ok(rx);
     }
     let peer: libp2p::PeerId = head.parse().map_err(|e| format!("head {head}: {e}"))?;
-    let mut stream = node.client.open_generation_stream(peer).await.map_err(|e| format!("cannot reach the head {head}: {e}"))?;
-    dc_net::frames::send(&mut stream, &req, MAX_GENERATION_MESSAGE, Duration::from_secs(30))
+    let mut stream = node
+        .client
+        .open_generation_stream(peer)
         .await
-        .map_err(|e| format!("sending the request to the head {head}: {e}"))?;
+        .map_err(|e| format!("cannot reach the head {head}: {e}"))?;
+    dc_net::frames::send(
+        &mut stream,
+        &req,
+        MAX_GENERATION_MESSAGE,
+        Duration::from_secs(30),
+    )
+    .await
+    .map_err(|e| format!("sending the request to the head {head}: {e}"))?;
     let timeout = node.cfg.request_timeout;
     tokio::spawn(async move {
         loop {
-            let ev: GenerationEvent = match dc_net::frames::recv(&mut stream, MAX_GENERATION_MESSAGE, timeout).await {
-                Ok(ev) => ev,
-                Err(e) => GenerationEvent::Failed {
-                    message: format!("the head {head} stopped answering: {e}"),
-                },
-            };
-            let last = matches!(ev, GenerationEvent::Done { .. } | GenerationEvent::Failed { .. });
+            let ev: GenerationEvent =
+                match dc_net::frames::recv(&mut stream, MAX_GENERATION_MESSAGE, timeout).await {
+                    Ok(ev) => ev,
+                    Err(e) => GenerationEvent::Failed {
+                        message: format!("the head {head} stopped answering: {e}"),
+                    },
+                };
+            let last = matches!(
+                ev,
+                GenerationEvent::Done { .. } | GenerationEvent::Failed { .. }
+            );
             if tx.send(ev).await.is_err() || last {
                 break;
             }

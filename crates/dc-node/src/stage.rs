@@ -6,7 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dc_model::{Activations, KvCache};
-use dc_types::{GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, LayerRange, PeerState, WireActivations};
+use dc_types::{
+    GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, LayerRange, PeerState,
+    WireActivations,
+};
 
 use crate::node::Node;
 
@@ -63,14 +66,27 @@ impl StageCaches {
 
     /// Takes the cache of `g` for a hop at position `start` over `layers`, creating it for a
     /// new generation (start 0). At most `max` generations are held.
-    fn take(&mut self, g: GenerationId, layers: LayerRange, start: usize, cfg: &dc_model::ModelConfig, max: usize) -> Result<KvCache, (HopErrorKind, String)> {
+    fn take(
+        &mut self,
+        g: GenerationId,
+        layers: LayerRange,
+        start: usize,
+        cfg: &dc_model::ModelConfig,
+        max: usize,
+    ) -> Result<KvCache, (HopErrorKind, String)> {
         if start == 0 {
             if self.entries.get(&g).is_some_and(|e| e.cache.is_none()) {
-                return Err((HopErrorKind::BadActivations, format!("generation {g} is already running a hop here")));
+                return Err((
+                    HopErrorKind::BadActivations,
+                    format!("generation {g} is already running a hop here"),
+                ));
             }
             self.entries.remove(&g);
             if self.entries.len() >= max {
-                return Err((HopErrorKind::Overloaded, format!("already serving {max} generations")));
+                return Err((
+                    HopErrorKind::Overloaded,
+                    format!("already serving {max} generations"),
+                ));
             }
             self.entries.insert(
                 g,
@@ -82,21 +98,27 @@ impl StageCaches {
             );
             return Ok(KvCache::new(cfg, layers.as_range()));
         }
-        let e = self
-            .entries
-            .get_mut(&g)
-            .ok_or((HopErrorKind::BadActivations, format!("no cache for generation {g} (it expired or never started here)")))?;
+        let e = self.entries.get_mut(&g).ok_or((
+            HopErrorKind::BadActivations,
+            format!("no cache for generation {g} (it expired or never started here)"),
+        ))?;
         if e.layers != layers {
-            return Err((HopErrorKind::WrongLayers, format!("generation {g} runs layers {} here, not {layers}", e.layers)));
+            return Err((
+                HopErrorKind::WrongLayers,
+                format!("generation {g} runs layers {} here, not {layers}", e.layers),
+            ));
         }
-        let cache = e
-            .cache
-            .take()
-            .ok_or((HopErrorKind::BadActivations, format!("generation {g} is already running a hop here")))?;
+        let cache = e.cache.take().ok_or((
+            HopErrorKind::BadActivations,
+            format!("generation {g} is already running a hop here"),
+        ))?;
         if cache.len() != start {
             let held = cache.len();
             e.cache = Some(cache);
-            return Err((HopErrorKind::BadActivations, format!("activations start at position {start} but the cache holds {held}")));
+            return Err((
+                HopErrorKind::BadActivations,
+                format!("activations start at position {start} but the cache holds {held}"),
+            ));
         }
         Ok(cache)
     }
@@ -117,19 +139,38 @@ impl StageCaches {
 }
 
 /// Converts wire activations, checking their shape.
-pub fn from_wire(w: WireActivations, hidden: usize, max_positions: usize) -> Result<Activations, String> {
+pub fn from_wire(
+    w: WireActivations,
+    hidden: usize,
+    max_positions: usize,
+) -> Result<Activations, String> {
     if w.hidden as usize != hidden {
-        return Err(format!("activations are {} wide, the model is {hidden}", w.hidden));
+        return Err(format!(
+            "activations are {} wide, the model is {hidden}",
+            w.hidden
+        ));
     }
-    if w.data.is_empty() || w.data.len() % hidden != 0 {
-        return Err(format!("{} values are not whole rows of {hidden}", w.data.len()));
+    if w.data.is_empty() || !w.data.len().is_multiple_of(hidden) {
+        return Err(format!(
+            "{} values are not whole rows of {hidden}",
+            w.data.len()
+        ));
     }
     let rows = w.data.len() / hidden;
     if w.start as usize + rows > max_positions {
-        return Err(format!("positions {}..{} exceed the model's {max_positions}", w.start, w.start as usize + rows));
+        return Err(format!(
+            "positions {}..{} exceed the model's {max_positions}",
+            w.start,
+            w.start as usize + rows
+        ));
     }
     if let Some(i) = w.data.iter().position(|v| !v.is_finite()) {
-        return Err(format!("non-finite value {} at position {}, channel {}", w.data[i], w.start as usize + i / hidden, i % hidden));
+        return Err(format!(
+            "non-finite value {} at position {}, channel {}",
+            w.data[i],
+            w.start as usize + i / hidden,
+            i % hidden
+        ));
     }
     Ok(Activations {
         start: w.start as usize,
@@ -157,16 +198,31 @@ fn refuse(kind: HopErrorKind, message: impl Into<String>) -> HopResponse {
 /// Runs one hop on this daemon's layers (for a remote head or for itself as head).
 pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
     if req.model_id != node.model_id {
-        return refuse(HopErrorKind::WrongModel, format!("this daemon serves model {}, not {}", node.model_id, req.model_id));
+        return refuse(
+            HopErrorKind::WrongModel,
+            format!(
+                "this daemon serves model {}, not {}",
+                node.model_id, req.model_id
+            ),
+        );
     }
     let Some(serving) = node.serving() else {
         return refuse(HopErrorKind::Overloaded, "still loading");
     };
     if !serving.layers.covers(&req.layers) {
-        return refuse(HopErrorKind::WrongLayers, format!("this daemon serves layers {}, not {}", serving.layers, req.layers));
+        return refuse(
+            HopErrorKind::WrongLayers,
+            format!(
+                "this daemon serves layers {}, not {}",
+                serving.layers, req.layers
+            ),
+        );
     }
     if node.state() == PeerState::Leaving && req.activations.start == 0 {
-        return refuse(HopErrorKind::Leaving, "this daemon is leaving and takes no new generations");
+        return refuse(
+            HopErrorKind::Leaving,
+            "this daemon is leaving and takes no new generations",
+        );
     }
     let cfg = &node.model_cfg;
     let x = match from_wire(req.activations, cfg.hidden_size, cfg.max_positions) {
@@ -174,13 +230,21 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
         Err(e) => return refuse(HopErrorKind::BadActivations, e),
     };
     if x.rows() > MAX_HOP_ROWS {
-        return refuse(HopErrorKind::BadActivations, format!("{} positions in one hop exceed the limit of {MAX_HOP_ROWS}", x.rows()));
+        return refuse(
+            HopErrorKind::BadActivations,
+            format!(
+                "{} positions in one hop exceed the limit of {MAX_HOP_ROWS}",
+                x.rows()
+            ),
+        );
     }
-    let taken = node
-        .caches
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take(req.generation, req.layers, x.start, cfg, node.cfg.max_generations);
+    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
+        req.generation,
+        req.layers,
+        x.start,
+        cfg,
+        node.cfg.max_generations,
+    );
     let mut cache = match taken {
         Ok(c) => c,
         Err((kind, msg)) => return refuse(kind, msg),
@@ -198,14 +262,22 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
     let (out, cache) = match result {
         Ok(r) => r,
         Err(e) => {
-            node.caches.lock().unwrap_or_else(|e| e.into_inner()).put(req.generation, None);
+            node.caches
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .put(req.generation, None);
             return refuse(HopErrorKind::Internal, format!("compute task failed: {e}"));
         }
     };
     match out {
         Ok(y) => {
-            node.caches.lock().unwrap_or_else(|e| e.into_inner()).put(req.generation, Some(cache));
-            node.stats.hops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            node.caches
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .put(req.generation, Some(cache));
+            node.stats
+                .hops
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             node.stats
                 .positions
                 .fetch_add(y.rows() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -226,7 +298,10 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
             }
         }
         Err(e) => {
-            node.caches.lock().unwrap_or_else(|e| e.into_inner()).put(req.generation, None);
+            node.caches
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .put(req.generation, None);
             refuse(HopErrorKind::BadActivations, e.to_string())
         }
     }

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use dc_types::{Announcement, GenerationId, LayerRange, ModelId, PeerState, RouteHop, PROTOCOL_VERSION};
+use dc_types::{
+    Announcement, GenerationId, LayerRange, ModelId, PeerState, RouteHop, PROTOCOL_VERSION,
+};
 
 /// What we know of one peer.
 #[derive(Clone, Debug)]
@@ -50,7 +52,13 @@ pub struct Participant {
 
 impl SwarmView {
     /// Records an announcement from `peer`, unless it is for another model or protocol.
-    pub fn update(&mut self, peer: &str, ann: Announcement, model: &ModelId, now: Instant) -> Result<(), Ignored> {
+    pub fn update(
+        &mut self,
+        peer: &str,
+        ann: Announcement,
+        model: &ModelId,
+        now: Instant,
+    ) -> Result<(), Ignored> {
         if ann.protocol_version != PROTOCOL_VERSION {
             return Err(Ignored::Protocol(ann.protocol_version));
         }
@@ -130,7 +138,10 @@ fn weight(g: &GenerationId, peer: &str) -> [u8; 32] {
 /// The head of generation `g` among `candidates` (head-capable, healthy): the highest
 /// rendezvous weight, so every daemon with the same view picks the same head without a vote,
 /// and the load spreads across heads.
-pub fn elect_head<'a>(g: &GenerationId, candidates: impl IntoIterator<Item = &'a Participant>) -> Option<&'a Participant> {
+pub fn elect_head<'a>(
+    g: &GenerationId,
+    candidates: impl IntoIterator<Item = &'a Participant>,
+) -> Option<&'a Participant> {
     candidates
         .into_iter()
         .filter(|p| p.head)
@@ -140,7 +151,12 @@ pub fn elect_head<'a>(g: &GenerationId, candidates: impl IntoIterator<Item = &'a
 /// A route covering layers `0..num_layers`: at each uncovered layer, the participant whose
 /// range reaches furthest; ties prefer the head itself (no network hop), then the less busy,
 /// then the faster, then the rendezvous weight. Errors name the first uncovered layer.
-pub fn plan_route(g: &GenerationId, num_layers: u32, head: &str, participants: &[Participant]) -> Result<Vec<RouteHop>, String> {
+pub fn plan_route(
+    g: &GenerationId,
+    num_layers: u32,
+    head: &str,
+    participants: &[Participant],
+) -> Result<Vec<RouteHop>, String> {
     let mut route = Vec::new();
     let mut at = 0u32;
     while at < num_layers {
@@ -187,7 +203,10 @@ pub fn least_served_window(num_layers: u32, len: u32, coverage: &[u32]) -> Layer
     let start = (0..=(num_layers - len))
         .min_by_key(|&s| {
             let w = &coverage[s as usize..(s + len) as usize];
-            (w.iter().filter(|&&c| c > 0).count(), w.iter().map(|&c| c as u64).sum::<u64>())
+            (
+                w.iter().filter(|&&c| c > 0).count(),
+                w.iter().map(|&c| c as u64).sum::<u64>(),
+            )
         })
         .unwrap_or(0);
     LayerRange {
@@ -243,7 +262,11 @@ mod tests {
             let h1 = elect_head(&g, &ps).unwrap().peer.clone();
             let mut rev = ps.clone();
             rev.reverse();
-            assert_eq!(h1, elect_head(&g, &rev).unwrap().peer, "order must not matter");
+            assert_eq!(
+                h1,
+                elect_head(&g, &rev).unwrap().peer,
+                "order must not matter"
+            );
             assert_ne!(h1, "c", "c holds no head weights");
             *counts.entry(h1).or_insert(0) += 1;
         }
@@ -255,21 +278,39 @@ mod tests {
         let g = GenerationId([1; 16]);
         let ps = vec![p("a", 0, 2, true), p("b", 1, 3, false), p("c", 3, 4, false)];
         let r = plan_route(&g, 4, "a", &ps).unwrap();
-        let hops: Vec<_> = r.iter().map(|h| (h.peer.as_str(), h.layers.start, h.layers.end)).collect();
+        let hops: Vec<_> = r
+            .iter()
+            .map(|h| (h.peer.as_str(), h.layers.start, h.layers.end))
+            .collect();
         assert_eq!(hops, vec![("a", 0, 2), ("b", 2, 3), ("c", 3, 4)]);
         let gap = vec![p("a", 0, 2, true), p("c", 3, 4, false)];
-        assert_eq!(plan_route(&g, 4, "a", &gap).unwrap_err(), "layer 2 is not served by any healthy peer");
+        assert_eq!(
+            plan_route(&g, 4, "a", &gap).unwrap_err(),
+            "layer 2 is not served by any healthy peer"
+        );
     }
 
     #[test]
     fn a_joining_daemon_fills_the_gap() {
         // Layers 0..6; 2 and 3 are uncovered.
         let cov = [2, 1, 0, 0, 1, 1];
-        assert_eq!(least_served_window(6, 2, &cov), LayerRange { start: 2, end: 4 });
-        assert_eq!(least_served_window(6, 3, &cov), LayerRange { start: 1, end: 4 });
+        assert_eq!(
+            least_served_window(6, 2, &cov),
+            LayerRange { start: 2, end: 4 }
+        );
+        assert_eq!(
+            least_served_window(6, 3, &cov),
+            LayerRange { start: 1, end: 4 }
+        );
         // No gap: the least replicated window.
-        assert_eq!(least_served_window(4, 2, &[3, 3, 1, 1]), LayerRange { start: 2, end: 4 });
-        assert_eq!(least_served_window(4, 9, &[0, 0, 0, 0]), LayerRange { start: 0, end: 4 });
+        assert_eq!(
+            least_served_window(4, 2, &[3, 3, 1, 1]),
+            LayerRange { start: 2, end: 4 }
+        );
+        assert_eq!(
+            least_served_window(4, 9, &[0, 0, 0, 0]),
+            LayerRange { start: 0, end: 4 }
+        );
     }
 
     #[test]

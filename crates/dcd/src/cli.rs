@@ -123,7 +123,12 @@ pub struct ModelArg {
 pub struct GenerateArgs {
     /// A Hugging Face model folder, a GGUF file, or the name of an installed model (runs in
     /// this process).
-    #[arg(long, short = 'm', required_unless_present = "api", conflicts_with = "api")]
+    #[arg(
+        long,
+        short = 'm',
+        required_unless_present = "api",
+        conflicts_with = "api"
+    )]
     pub model: Option<String>,
     /// Generate through the swarm via this daemon's control API (http://HOST:PORT).
     #[arg(long)]

@@ -8,7 +8,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use dc_kernels::elementwise::log_sum_exp;
 use dc_kernels::{Gemm, Kernel};
-use dc_model::generate::{generate as run_generation, logits_commitment, GenerateRequest, LocalPipeline};
+use dc_model::generate::{
+    generate as run_generation, logits_commitment, GenerateRequest, LocalPipeline,
+};
 use dc_model::sampling::SamplingParams;
 use dc_model::tokenizer::{load_for_model, StreamDecoder};
 use safetensors::tensor::TensorView;

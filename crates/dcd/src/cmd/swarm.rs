@@ -38,7 +38,9 @@ fn secs(v: f64, what: &str) -> Result<Duration> {
 
 pub fn join(global: &Global, a: &JoinArgs) -> Result<ExitCode> {
     init_logging(global);
-    let model = model_path(&ModelArg { model: a.model.model.clone() })?;
+    let model = model_path(&ModelArg {
+        model: a.model.model.clone(),
+    })?;
     let data_dir = match &a.data_dir {
         Some(d) => d.clone(),
         None => dc_model::store::data_dir()?,
@@ -47,26 +49,38 @@ pub fn join(global: &Global, a: &JoinArgs) -> Result<ExitCode> {
     cfg.layers = if a.layers.trim() == "auto" {
         LayerChoice::Auto
     } else {
-        LayerChoice::Fixed(a.layers.parse().map_err(|e: String| anyhow::anyhow!("--layers: {e}"))?)
+        LayerChoice::Fixed(
+            a.layers
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--layers: {e}"))?,
+        )
     };
     cfg.head = !a.no_head;
     if !a.listen.is_empty() {
         cfg.listen = a
             .listen
             .iter()
-            .map(|s| s.parse().with_context(|| format!("--listen {s:?} is not a multiaddr")))
+            .map(|s| {
+                s.parse()
+                    .with_context(|| format!("--listen {s:?} is not a multiaddr"))
+            })
             .collect::<Result<_>>()?;
     }
     cfg.bootstrap = a
         .bootstrap
         .iter()
-        .map(|s| s.parse().with_context(|| format!("--bootstrap {s:?} is not a multiaddr")))
+        .map(|s| {
+            s.parse()
+                .with_context(|| format!("--bootstrap {s:?} is not a multiaddr"))
+        })
         .collect::<Result<_>>()?;
     cfg.mdns = !a.no_mdns;
     cfg.api = a.api;
     cfg.api_token = a.api_token.clone().filter(|t| !t.is_empty());
     cfg.max_memory = match &a.max_memory {
-        Some(s) => Some(dc_node::memory::parse_size(s).map_err(|e| anyhow::anyhow!("--max-memory: {e}"))?),
+        Some(s) => {
+            Some(dc_node::memory::parse_size(s).map_err(|e| anyhow::anyhow!("--max-memory: {e}"))?)
+        }
         None => None,
     };
     cfg.kernel = Kernel::parse(&global.kernel).context("--kernel / DCD_KERNEL")?;
@@ -89,7 +103,8 @@ pub fn join(global: &Global, a: &JoinArgs) -> Result<ExitCode> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(dc_node::run(cfg)).map_err(|e| anyhow::anyhow!(e))?;
+    rt.block_on(dc_node::run(cfg))
+        .map_err(|e| anyhow::anyhow!(e))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -117,8 +132,13 @@ pub fn fetch_status(api: &str) -> Result<Value> {
     let url = api_url(api, "/status");
     let mut resp = with_token(agent(Some(Duration::from_secs(10))).get(&url))
         .call()
-        .with_context(|| format!("no daemon answers at {api}; start one with `dcd join --model <model>`"))?;
-    let text = resp.body_mut().read_to_string().context("reading the status")?;
+        .with_context(|| {
+            format!("no daemon answers at {api}; start one with `dcd join --model <model>`")
+        })?;
+    let text = resp
+        .body_mut()
+        .read_to_string()
+        .context("reading the status")?;
     if !resp.status().is_success() {
         bail!("{url}: {} {text}", resp.status());
     }
@@ -131,9 +151,22 @@ pub fn status(a: &StatusArgs) -> Result<ExitCode> {
         println!("{s}");
         return Ok(ExitCode::SUCCESS);
     }
-    println!("peer {} ({})", s["peer_id"].as_str().unwrap_or("?"), s["state"].as_str().unwrap_or("?"));
-    println!("model {} (id {})", s["model"].as_str().unwrap_or("?"), s["model_id"].as_str().unwrap_or("?"));
-    println!("layers {} of {}, head: {}", s["layers"].as_str().unwrap_or("-"), s["num_layers"], s["head"]);
+    println!(
+        "peer {} ({})",
+        s["peer_id"].as_str().unwrap_or("?"),
+        s["state"].as_str().unwrap_or("?")
+    );
+    println!(
+        "model {} (id {})",
+        s["model"].as_str().unwrap_or("?"),
+        s["model_id"].as_str().unwrap_or("?")
+    );
+    println!(
+        "layers {} of {}, head: {}",
+        s["layers"].as_str().unwrap_or("-"),
+        s["num_layers"],
+        s["head"]
+    );
     println!("coverage {}", s["coverage"]);
     for p in s["peers"].as_array().into_iter().flatten() {
         println!(
@@ -167,9 +200,13 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
         body["top_p"] = json!(p);
     }
     let url = api_url(api, "/generate");
-    let resp = with_token(agent(None).post(&url).header("Content-Type", "application/json"))
-        .send(body.to_string())
-        .with_context(|| format!("no daemon answers at {api}"))?;
+    let resp = with_token(
+        agent(None)
+            .post(&url)
+            .header("Content-Type", "application/json"),
+    )
+    .send(body.to_string())
+    .with_context(|| format!("no daemon answers at {api}"))?;
     let status = resp.status();
     let mut reader = BufReader::new(resp.into_body().into_reader());
     if !status.is_success() {
@@ -182,14 +219,19 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
         bail!("{url}: {status}: {msg}");
     }
     let mut stdout = std::io::stdout().lock();
-    let mut prompt_ids = a.prompt_ids.clone().map(|v| json!(v)).unwrap_or(Value::Null);
+    let mut prompt_ids = a
+        .prompt_ids
+        .clone()
+        .map(|v| json!(v))
+        .unwrap_or(Value::Null);
     let mut line = String::new();
     loop {
         line.clear();
         if reader.read_line(&mut line)? == 0 {
             bail!("the daemon closed the stream before the generation finished");
         }
-        let ev: Value = serde_json::from_str(line.trim()).with_context(|| format!("bad event {line:?}"))?;
+        let ev: Value =
+            serde_json::from_str(line.trim()).with_context(|| format!("bad event {line:?}"))?;
         match ev["event"].as_str() {
             Some("started") => {
                 if let Some(p) = ev.get("prompt_ids") {
@@ -219,7 +261,10 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                 }
                 return Ok(ExitCode::SUCCESS);
             }
-            Some("error") => bail!("generation failed: {}", ev["message"].as_str().unwrap_or("?")),
+            Some("error") => bail!(
+                "generation failed: {}",
+                ev["message"].as_str().unwrap_or("?")
+            ),
             _ => bail!("unexpected event {line:?}"),
         }
     }

@@ -1,0 +1,229 @@
+//! Hostile or broken peers: messages over the size cap, another model id, another protocol
+//! version, activations of the wrong length or with NaN. Each is refused (with an error to the
+//! sender where there is one), logged, and the daemon keeps serving others.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::time::Duration;
+
+use dc_net::{NetConfig, NetEvent};
+use dc_tests::*;
+use dc_types::*;
+
+/// A bare network node of our own, speaking the protocol directly.
+async fn intruder(
+    topic: String,
+    bootstrap: &str,
+    max_bytes: usize,
+) -> (dc_net::Client, tokio::sync::mpsc::Receiver<NetEvent>) {
+    let cfg = NetConfig {
+        keypair: libp2p::identity::Keypair::generate_ed25519(),
+        listen: vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
+        bootstrap: vec![bootstrap.parse().unwrap()],
+        mdns: false,
+        topic,
+        max_request_bytes: max_bytes,
+        max_response_bytes: max_bytes,
+        max_gossip_bytes: 1 << 20,
+        request_timeout: Duration::from_secs(20),
+        agent: "intruder".into(),
+    };
+    let (client, events, ev_loop) = dc_net::start(cfg).unwrap();
+    tokio::spawn(ev_loop.run());
+    (client, events)
+}
+
+fn hop(model: ModelId, start: u32, hidden: u32, data: Vec<f32>) -> StageRequest {
+    StageRequest::Hop(HopRequest {
+        model_id: model,
+        generation: GenerationId::new_random(),
+        step: 0,
+        layers: "0..2".parse().unwrap(),
+        activations: WireActivations {
+            start,
+            hidden,
+            data,
+        },
+    })
+}
+
+fn refused(r: Result<StageResponse, dc_net::NetError>) -> (HopErrorKind, String) {
+    match r {
+        Ok(StageResponse::Hop(h)) => match *h {
+            HopResponse::Refused { kind, message } => (kind, message),
+            other => panic!("expected a refusal, got {other:?}"),
+        },
+        other => panic!("expected a hop response, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        dir.path(),
+        "victim",
+        &model,
+        &["--layers", "0..4", "--max-message-bytes", "1048576"],
+    );
+    let status = d.status();
+    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
+    let topic = format!(
+        "daisychain/announce/{PROTOCOL_VERSION}/{}",
+        model_id.short()
+    );
+    let (client, _events) = intruder(topic, &d.addr, 8 << 20).await;
+    let victim: libp2p::PeerId = d.peer_id.parse().unwrap();
+
+    // Another model id.
+    let other = ModelId(Commitment([7; 32]));
+    let (kind, msg) = refused(
+        client
+            .stage_request(victim, hop(other, 0, 64, vec![0.5; 64]))
+            .await,
+    );
+    assert_eq!(kind, HopErrorKind::WrongModel, "{msg}");
+    // Activations of the wrong length and width.
+    let (kind, msg) = refused(
+        client
+            .stage_request(victim, hop(model_id, 0, 64, vec![0.5; 100]))
+            .await,
+    );
+    assert_eq!(kind, HopErrorKind::BadActivations);
+    assert!(msg.contains("not whole rows of 64"), "{msg}");
+    let (kind, msg) = refused(
+        client
+            .stage_request(victim, hop(model_id, 0, 63, vec![0.5; 63]))
+            .await,
+    );
+    assert!(
+        kind == HopErrorKind::BadActivations && msg.contains("63 wide"),
+        "{msg}"
+    );
+    // NaN.
+    let mut data = vec![0.5f32; 128];
+    data[70] = f32::NAN;
+    let (kind, msg) = refused(
+        client
+            .stage_request(victim, hop(model_id, 0, 64, data))
+            .await,
+    );
+    assert!(
+        kind == HopErrorKind::BadActivations
+            && msg.contains("non-finite")
+            && msg.contains("position 1, channel 6"),
+        "{msg}"
+    );
+    // A position the cache cannot continue from.
+    let (kind, msg) = refused(
+        client
+            .stage_request(victim, hop(model_id, 5, 64, vec![0.5; 64]))
+            .await,
+    );
+    assert!(
+        kind == HopErrorKind::BadActivations && msg.contains("no cache"),
+        "{msg}"
+    );
+    // Layers it does not serve.
+    let mut h = hop(model_id, 0, 64, vec![0.5; 64]);
+    if let StageRequest::Hop(r) = &mut h {
+        r.layers = "3..9".parse().unwrap();
+    }
+    let (kind, _) = refused(client.stage_request(victim, h).await);
+    assert_eq!(kind, HopErrorKind::WrongLayers);
+    // Over the size cap: 2 MB of activations against a 1 MiB limit. The daemon refuses to read
+    // it; the sender sees the request fail.
+    let big = hop(model_id, 0, 64, vec![0.5; 512 * 1024]);
+    assert!(
+        client.stage_request(victim, big).await.is_err(),
+        "an oversized request must not be served"
+    );
+
+    // Announcements with another protocol version and another model id.
+    let bad = |version: u32, model: ModelId| Announcement {
+        protocol_version: version,
+        software: "intruder".into(),
+        model_id: model,
+        layers: Some("0..4".parse().unwrap()),
+        head: true,
+        throughput: 1e9,
+        free_memory: 0,
+        state: PeerState::Serving,
+        active_generations: 0,
+        seq: 1,
+        listen_addrs: vec![],
+    };
+    let me = client.local_peer_id().to_string();
+    let mut seen_version = false;
+    let mut seen_model = false;
+    for _ in 0..100 {
+        let _ = client
+            .publish(encode(&bad(99, model_id), 1 << 16).unwrap())
+            .await;
+        let _ = client
+            .publish(encode(&bad(PROTOCOL_VERSION, other), 1 << 16).unwrap())
+            .await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let log = d.log_text();
+        seen_version |= log.contains(&format!(
+            "ignoring peer {me}: it speaks protocol version 99"
+        ));
+        seen_model |= log.contains(&format!(
+            "ignoring peer {me}: it serves model {}",
+            other.short()
+        ));
+        if seen_version && seen_model {
+            break;
+        }
+    }
+    assert!(
+        seen_version && seen_model,
+        "the daemon did not log why it ignored the intruder: {}",
+        d.log_text()
+    );
+    // Garbage on the gossip topic.
+    let _ = client.publish(vec![0xff; 100]).await;
+    let status = d.status();
+    assert!(
+        status["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["peer_id"] != me.as_str()),
+        "the intruder must not be listed"
+    );
+    wait_until(
+        "the oversized request to be logged",
+        Duration::from_secs(10),
+        || d.log_text().contains("refused a stage request"),
+    );
+
+    // And it still serves, bit-identical to the local run.
+    let api = d.api.clone();
+    let m = model.to_str().unwrap().to_string();
+    tokio::task::spawn_blocking(move || {
+        let a = generate_json(&[
+            "--api",
+            &api,
+            "--prompt-ids",
+            "3,1,4,1,5",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+        ]);
+        let b = generate_json(&[
+            "--model",
+            &m,
+            "--prompt-ids",
+            "3,1,4,1,5",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+        ]);
+        assert_eq!(a["tokens"], b["tokens"]);
+        assert_eq!(a["final_logits"], b["final_logits"]);
+    })
+    .await
+    .unwrap();
+}

@@ -1,0 +1,239 @@
+//! The swarm end to end: real `dcd join` processes on loopback (bootstrap addresses, mDNS off)
+//! serving different layer ranges, generations through them compared bit for bit with
+//! `dcd generate --local`, a daemon with `--layers auto` filling a gap, a graceful leave
+//! re-covered before the next generation.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::path::Path;
+use std::time::Duration;
+
+use dc_tests::*;
+use serde_json::Value;
+
+/// A memory budget that fits exactly `layers` layers of `model` (no head weights).
+fn budget_for(model: &Path, layers: u64) -> String {
+    let (cfg, _) = dc_model::model::open_source(model).unwrap();
+    let per = dc_node::memory::layer_bytes(&cfg);
+    // layers_that_fit keeps a tenth for caches; land in the middle of the interval.
+    ((per * layers + per / 2) * 10 / 9).to_string()
+}
+
+/// Compares generations through `api` with local ones for greedy and seeded sampling.
+fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
+    let m = model.to_str().unwrap();
+    for (t, seed) in [("0", "0"), ("0.9", "1"), ("1.3", "7")] {
+        let args = [
+            "--prompt-ids",
+            prompt,
+            "--max-new-tokens",
+            max_new,
+            "--temperature",
+            t,
+            "--top-k",
+            "50",
+            "--seed",
+            seed,
+            "--ignore-eos",
+        ];
+        let mut swarm_args = vec!["--api", api];
+        swarm_args.extend_from_slice(&args);
+        let mut local_args = vec!["--model", m, "--local"];
+        local_args.extend_from_slice(&args);
+        let swarm = generate_json(&swarm_args);
+        let local = generate_json(&local_args);
+        assert_eq!(
+            swarm["tokens"], local["tokens"],
+            "{m}: temperature {t}, seed {seed}"
+        );
+        assert_eq!(
+            swarm["final_logits"], local["final_logits"],
+            "{m}: temperature {t}, seed {seed}"
+        );
+        assert_eq!(
+            swarm["tokens"].as_array().unwrap().len(),
+            max_new.parse::<usize>().unwrap()
+        );
+    }
+}
+
+fn coverage_complete(d: &Daemon, layers: usize) -> bool {
+    let s = d.status();
+    s["coverage"]
+        .as_array()
+        .is_some_and(|c| c.len() == layers && c.iter().all(|v| v.as_u64() > Some(0)))
+}
+
+/// Three fixed daemons leave a gap; a fourth with `--layers auto` fills it; generations through
+/// the swarm equal the local ones bit for bit.
+fn three_daemons_and_an_auto_one(
+    model: &Path,
+    ranges: [&str; 3],
+    gap: &str,
+    auto_layers: u64,
+    prompt: &str,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Daemon::start(dir.path(), "a", model, &["--layers", ranges[0]]);
+    let b = Daemon::start(
+        dir.path(),
+        "b",
+        model,
+        &["--layers", ranges[1], "--no-head", "--bootstrap", &a.addr],
+    );
+    let c = Daemon::start(
+        dir.path(),
+        "c",
+        model,
+        &["--layers", ranges[2], "--bootstrap", &a.addr],
+    );
+    wait_until(
+        "the three daemons to see each other",
+        Duration::from_secs(30),
+        || a.status()["peers"].as_array().is_some_and(|p| p.len() == 2),
+    );
+    let budget = budget_for(model, auto_layers);
+    let d = Daemon::start(
+        dir.path(),
+        "d",
+        model,
+        &[
+            "--layers",
+            "auto",
+            "--no-head",
+            "--max-memory",
+            &budget,
+            "--bootstrap",
+            &a.addr,
+        ],
+    );
+    assert_eq!(d.layers(), gap, "the auto daemon takes the uncovered range");
+    let n = a.status()["num_layers"].as_u64().unwrap() as usize;
+    wait_until("full coverage", Duration::from_secs(30), || {
+        coverage_complete(&a, n) && coverage_complete(&b, n)
+    });
+    // Through a daemon without the head weights: the request is forwarded to the elected head.
+    assert_same_as_local(model, &b.api, prompt, "12");
+    assert_same_as_local(model, &d.api, prompt, "5");
+    for (name, x) in [("b", &b), ("c", &c), ("d", &d)] {
+        assert!(
+            x.status()["hops_served"].as_u64().unwrap() > 0,
+            "{name} served no hop"
+        );
+    }
+    drop((a, b, c, d));
+}
+
+#[test]
+fn gpt2_swarm_equals_local() {
+    three_daemons_and_an_auto_one(
+        &fixtures().join("gpt2"),
+        ["0..1", "1..2", "3..4"],
+        "2..3",
+        1,
+        "5,17,99,3,250,41,7,0,12",
+    );
+}
+
+#[test]
+fn llama_swarm_equals_local() {
+    three_daemons_and_an_auto_one(
+        &fixtures().join("llama"),
+        ["0..1", "2..3", "3..4"],
+        "1..2",
+        1,
+        "1,2,3,4,5,6,7",
+    );
+}
+
+#[test]
+fn mistral_swarm_with_sliding_window_equals_local() {
+    // 30 prompt tokens: past the window of 16.
+    let prompt = (1..=30)
+        .map(|i| ((i * 37) % 500).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    three_daemons_and_an_auto_one(
+        &fixtures().join("mistral"),
+        ["0..1", "2..3", "3..4"],
+        "1..2",
+        1,
+        &prompt,
+    );
+}
+
+#[test]
+fn smollm2_swarm_equals_local() {
+    let model = dc_model::store::installed_smollm2()
+        .expect("SmolLM2 is not installed: run scripts/fetch-model.sh");
+    three_daemons_and_an_auto_one(
+        &model,
+        ["0..10", "10..20", "25..30"],
+        "20..25",
+        5,
+        "504,3458,282,4649,314",
+    );
+}
+
+#[test]
+fn a_daemon_joins_and_one_leaves_gracefully() {
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let a = Daemon::start(dir.path(), "a", &model, &["--layers", "0..2"]);
+    let b = Daemon::start(
+        dir.path(),
+        "b",
+        &model,
+        &["--layers", "2..4", "--bootstrap", &a.addr],
+    );
+    wait_until("a and b to see each other", Duration::from_secs(30), || {
+        coverage_complete(&a, 4)
+    });
+    // Coverage is [1, 1, 1, 1]: the joining daemon takes the least-served window of the size
+    // its budget allows (two layers), the earliest of equals.
+    let c = Daemon::start(
+        dir.path(),
+        "c",
+        &model,
+        &[
+            "--layers",
+            "auto",
+            "--no-head",
+            "--max-memory",
+            &budget_for(&model, 2),
+            "--bootstrap",
+            &a.addr,
+        ],
+    );
+    assert_eq!(c.layers(), "0..2");
+    wait_until("a to see c", Duration::from_secs(30), || {
+        a.status()["coverage"] == serde_json::json!([2, 2, 1, 1])
+    });
+    // b leaves: it announces, finishes, exits cleanly; c moves to cover 2..4.
+    let b_id = b.peer_id.clone();
+    let out = b.leave();
+    assert!(
+        out.iter().any(|l| l.starts_with("leaving")) && out.iter().any(|l| l == "left"),
+        "{out:?}"
+    );
+    wait_until("c to re-cover b's layers", Duration::from_secs(40), || {
+        c.layers() == "2..4"
+    });
+    wait_until(
+        "a to see full coverage again",
+        Duration::from_secs(30),
+        || coverage_complete(&a, 4),
+    );
+    assert!(c
+        .out
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l.contains("moving from layers 0..2 to 2..4")));
+    assert_same_as_local(&model, &c.api, "9,8,7,6,5", "8");
+    let peers: Vec<Value> = a.status()["peers"].as_array().unwrap().clone();
+    assert!(
+        peers.iter().all(|p| p["peer_id"] != b_id.as_str()),
+        "the leaver is forgotten"
+    );
+}
