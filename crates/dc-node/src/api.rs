@@ -143,6 +143,12 @@ async fn generate(
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
+    if node.paused() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "paused: the machine is busy with other work",
+        );
+    }
     let Ok(permit) = node.generations.clone().try_acquire_owned() else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -235,6 +241,8 @@ pub fn router(node: Arc<Node>) -> Router {
     Router::new()
         .route("/status", get(status))
         .route("/generate", post(generate))
+        .route("/metrics", get(crate::metrics::handler))
+        .merge(crate::openai::router())
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn_with_state(node.clone(), require_token))
         .with_state(node)

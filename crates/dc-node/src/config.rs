@@ -65,6 +65,11 @@ pub struct NodeConfig {
     pub chunk: usize,
     /// Run the numeric self-test before serving.
     pub selftest: bool,
+    /// Serve only while the machine is otherwise idle (pause new work when other processes
+    /// keep the CPU busy).
+    pub idle_only: bool,
+    /// CPU use by other processes (0 to 1, share of all cores) above which new work pauses.
+    pub idle_threshold: f32,
 }
 
 impl NodeConfig {
@@ -98,6 +103,8 @@ impl NodeConfig {
             max_message_bytes: 64 << 20,
             chunk: 64,
             selftest: true,
+            idle_only: false,
+            idle_threshold: 0.5,
         }
     }
 }

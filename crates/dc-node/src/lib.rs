@@ -8,8 +8,11 @@
 pub mod api;
 pub mod config;
 pub mod head;
+pub mod idle;
 pub mod memory;
+pub mod metrics;
 pub mod node;
+pub mod openai;
 pub mod stage;
 pub mod status;
 pub mod view;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dc_kernels::{Gemm, Kernel};
-use dc_model::tokenizer::{load_for_model, SpecialTokens, Tokenizer};
+use dc_model::tokenizer::{load_for_model, ChatTemplate, SpecialTokens, Tokenizer};
 use dc_model::{LoadOptions, Model, ModelConfig};
 use dc_net::{Client, NetConfig, NetEvent};
 use dc_types::{
@@ -90,6 +90,10 @@ pub struct Node {
     logged: Mutex<HashSet<String>>,
     /// The tokenizer, if the model has one.
     pub tokenizer: Option<Tokenizer>,
+    /// The model's chat template, if it has one.
+    pub chat: Option<ChatTemplate>,
+    /// Set while new work is paused (idle-only mode and the machine is busy).
+    paused: std::sync::atomic::AtomicBool,
     /// Special tokens (end-of-sequence ids).
     pub special: SpecialTokens,
     /// When the daemon started.
@@ -113,6 +117,16 @@ impl Node {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Whether new work is paused (idle-only mode while the machine is busy).
+    pub fn paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
+    }
+
+    /// Pauses or resumes taking new work.
+    pub fn set_paused(&self, p: bool) {
+        self.paused.store(p, Ordering::Relaxed);
     }
 
     /// Our state.
@@ -334,9 +348,10 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
     );
     let keypair = dc_net::identity::load_or_create(&cfg.data_dir.join("identity.key"))?;
     let local = keypair.public().to_peer_id();
-    let (tokenizer, special) = match load_for_model(&cfg.model) {
-        Ok((t, _, s)) => (Some(t), s),
+    let (tokenizer, chat, special) = match load_for_model(&cfg.model) {
+        Ok((t, c, s)) => (Some(t), c, s),
         Err(_) => (
+            None,
             None,
             SpecialTokens {
                 bos: model_cfg.bos_token_id,
@@ -380,6 +395,8 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         seq: AtomicU64::new(1),
         logged: Mutex::new(HashSet::new()),
         tokenizer,
+        chat,
+        paused: std::sync::atomic::AtomicBool::new(false),
         special,
         started: Instant::now(),
         listen_addrs: Mutex::new(Vec::new()),
@@ -464,6 +481,10 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
     node.announce().await;
     sd_notify("READY=1");
 
+    // Idle-only mode watches the machine's load.
+    if node.cfg.idle_only {
+        crate::idle::spawn(node.clone());
+    }
     // Periodic work.
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(periodic(node.clone(), stop_rx));

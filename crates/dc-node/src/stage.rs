@@ -218,6 +218,12 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
             ),
         );
     }
+    if node.paused() && req.activations.start == 0 {
+        return refuse(
+            HopErrorKind::Overloaded,
+            "paused: the machine is busy with other work",
+        );
+    }
     if node.state() == PeerState::Leaving && req.activations.start == 0 {
         return refuse(
             HopErrorKind::Leaving,

@@ -44,6 +44,8 @@ pub fn status(node: &Node) -> Value {
         "layers": serving.as_ref().map(|s| s.layers.to_string()),
         "head": serving.as_ref().is_some_and(|s| s.head),
         "state": node.state().name(),
+        "paused": node.paused(),
+        "idle_only": node.cfg.idle_only,
         "uptime_s": node.started.elapsed().as_secs(),
         "throughput": node.throughput(),
         "kernel": node.gemm.kernel().name(),
