@@ -92,6 +92,71 @@ mod micro {
         }
     }
 
+    /// MACs per iteration of [`avx2_signed_loop`]: 8 chains × 32 byte products.
+    pub const AVX2_SIGNED_MACS: u64 = 8 * 32;
+
+    /// `vpsignb` → `vpmaddubsw` → `vpmaddwd` → `vpaddd` on 8 independent chains: the sequence
+    /// an exact product of two *signed* int8 operands needs on AVX2 (`vpmaddubsw` multiplies
+    /// unsigned by signed bytes, so one operand's signs move to the other first). One
+    /// instruction more per 32 MACs than [`avx2_loop`], and `vpsignb` competes for the same
+    /// execution ports, so this is the realistic register-resident ceiling of the kernel.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn avx2_signed_loop(iters: u64) {
+        // SAFETY: register-only instructions, AVX2 present per the caller.
+        unsafe {
+            asm!(
+                "vpxor ymm12, ymm12, ymm12",
+                "vpxor ymm13, ymm13, ymm13",
+                "vpxor ymm14, ymm14, ymm14",
+                "vpxor ymm15, ymm15, ymm15",
+                "2:",
+                "vpsignb ymm0, ymm14, ymm12",
+                "vpsignb ymm1, ymm14, ymm13",
+                "vpsignb ymm2, ymm15, ymm12",
+                "vpsignb ymm3, ymm15, ymm13",
+                "vpmaddubsw ymm0, ymm13, ymm0",
+                "vpmaddubsw ymm1, ymm12, ymm1",
+                "vpmaddubsw ymm2, ymm13, ymm2",
+                "vpmaddubsw ymm3, ymm12, ymm3",
+                "vpmaddwd ymm0, ymm0, ymm15",
+                "vpmaddwd ymm1, ymm1, ymm15",
+                "vpmaddwd ymm2, ymm2, ymm15",
+                "vpmaddwd ymm3, ymm3, ymm15",
+                "vpaddd ymm8, ymm8, ymm0",
+                "vpaddd ymm9, ymm9, ymm1",
+                "vpaddd ymm10, ymm10, ymm2",
+                "vpaddd ymm11, ymm11, ymm3",
+                "vpsignb ymm4, ymm14, ymm12",
+                "vpsignb ymm5, ymm14, ymm13",
+                "vpsignb ymm6, ymm15, ymm12",
+                "vpsignb ymm7, ymm15, ymm13",
+                "vpmaddubsw ymm4, ymm13, ymm4",
+                "vpmaddubsw ymm5, ymm12, ymm5",
+                "vpmaddubsw ymm6, ymm13, ymm6",
+                "vpmaddubsw ymm7, ymm12, ymm7",
+                "vpmaddwd ymm4, ymm4, ymm15",
+                "vpmaddwd ymm5, ymm5, ymm15",
+                "vpmaddwd ymm6, ymm6, ymm15",
+                "vpmaddwd ymm7, ymm7, ymm15",
+                "vpaddd ymm8, ymm8, ymm4",
+                "vpaddd ymm9, ymm9, ymm5",
+                "vpaddd ymm10, ymm10, ymm6",
+                "vpaddd ymm11, ymm11, ymm7",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iters => _,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nomem, nostack),
+            );
+        }
+    }
+
     /// `vpdpbusd` on 12 independent accumulators (enough to cover its latency).
     ///
     /// # Safety
@@ -163,6 +228,52 @@ pub fn int8_peak_gops(threads: usize, time: Duration) -> Option<f64> {
         let _ = (threads, time);
         None
     }
+}
+
+/// The register-resident peak of the exact *signed* int8 sequence of AVX2 (`vpsignb`,
+/// `vpmaddubsw`, `vpmaddwd`, `vpaddd`) in GOPS, with `threads` threads: what an exact kernel
+/// with both operands signed can reach before any load, store or block epilogue. Reported next
+/// to [`int8_peak_gops`] (which stays the unsigned-by-signed peak). `None` without AVX2.
+pub fn int8_signed_peak_gops(threads: usize, time: Duration) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !Kernel::Avx2.is_supported() {
+            return None;
+        }
+        let per_thread = on_threads(threads, |_| {
+            let iters = 1 << 20;
+            // SAFETY: AVX2 detected above.
+            unsafe { micro::avx2_signed_loop(iters / 8) };
+            let mut best = 0f64;
+            let start = Instant::now();
+            while start.elapsed() < time {
+                let t = Instant::now();
+                // SAFETY: as above.
+                unsafe { micro::avx2_signed_loop(iters) };
+                best =
+                    best.max((iters * micro::AVX2_SIGNED_MACS) as f64 / t.elapsed().as_secs_f64());
+            }
+            best
+        });
+        Some(per_thread.iter().sum::<f64>() * 2.0 / 1e9)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (threads, time);
+        None
+    }
+}
+
+/// The AVX2 kernel's 4-row tile alone (its block loop with the exact i64 epilogue) on
+/// L1-resident data, in GOPS with `threads` threads: the ceiling of the exact product on this
+/// machine, since everything else a product does (streaming, rounding, scheduling) only adds
+/// to it. `None` without AVX2.
+pub fn exact_tile_gops(threads: usize, time: Duration) -> Option<f64> {
+    let per_thread = on_threads(threads, |_| crate::gemm::avx2_tile_macs_per_second(time));
+    per_thread
+        .into_iter()
+        .sum::<Option<f64>>()
+        .map(|macs| macs * 2.0 / 1e9)
 }
 
 /// Sustained read bandwidth in GB/s with `threads` threads streaming disjoint parts of a

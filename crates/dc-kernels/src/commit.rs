@@ -184,6 +184,35 @@ pub fn row_leaf(acc: &Accumulators, row: usize) -> Commitment {
     Domain::GemmRow.hash(&bytes)
 }
 
+/// The Merkle leaf of row `row` of a GEMM whose rows are absolute sequence positions starting
+/// at `first`: the leaf names the position, so the rows of one hop can be checked against a
+/// recomputation over a longer sequence.
+pub fn row_leaf_at(acc: &Accumulators, row: usize, first: usize) -> Commitment {
+    let mut bytes = Vec::with_capacity(16 + acc.cols * 12);
+    bytes.extend_from_slice(&((first + row) as u64).to_le_bytes());
+    bytes.extend_from_slice(&(acc.cols as u64).to_le_bytes());
+    encode_row(acc, row, &mut bytes);
+    Domain::GemmRow.hash(&bytes)
+}
+
+/// The commitment to a GEMM whose rows are positions `first..first + rows`.
+pub fn commit_gemm_at(acc: &Accumulators, first: usize) -> Commitment {
+    let leaves: Vec<Commitment> = (0..acc.rows).map(|r| row_leaf_at(acc, r, first)).collect();
+    gemm_commitment(acc.rows, acc.cols, &merkle_root(&leaves))
+}
+
+/// A row leaf from exact values computed outside a GEMM kernel (the attention products), in
+/// the same format as [`row_leaf_at`].
+pub fn exact_row_leaf(position: usize, values: &[Exact]) -> Commitment {
+    let mut bytes = Vec::with_capacity(16 + values.len() * 12);
+    bytes.extend_from_slice(&(position as u64).to_le_bytes());
+    bytes.extend_from_slice(&(values.len() as u64).to_le_bytes());
+    for v in values {
+        encode_exact(v, &mut bytes);
+    }
+    Domain::GemmRow.hash(&bytes)
+}
+
 /// Every row leaf of a GEMM.
 pub fn row_leaves(acc: &Accumulators) -> Vec<Commitment> {
     (0..acc.rows).map(|r| row_leaf(acc, r)).collect()
@@ -321,6 +350,24 @@ mod tests {
         );
         let c = Domain::Model.hash(b"x");
         assert_eq!(Commitment::from_hex(&c.to_hex()), Some(c));
+    }
+
+    #[test]
+    fn positioned_leaves_match_exact_leaves() {
+        let acc = Accumulators {
+            rows: 2,
+            cols: 2,
+            slots: vec![
+                Slot { mant: 3, exp: 1 },
+                Slot::default(),
+                Slot { mant: -5, exp: -9 },
+                Slot { mant: 1, exp: 0 },
+            ],
+            wide: vec![],
+        };
+        let row1 = [Exact::from_i64(-5, -9), Exact::from_i64(1, 0)];
+        assert_eq!(row_leaf_at(&acc, 1, 40), exact_row_leaf(41, &row1));
+        assert_ne!(row_leaf_at(&acc, 1, 40), exact_row_leaf(40, &row1));
     }
 
     #[test]

@@ -133,6 +133,7 @@ pub fn sweep(kernels: &[Kernel], threads: &[usize], seed: u64) -> ConformanceRep
                 .push(format!("{m}×{k}×{n} {sx:?}/{sw:?}: quantisation failed"));
             continue;
         };
+        check_rows(&x, k, &qx, &mut rep);
         let mut want = vec![0f32; m * n];
         let want_acc = reference.matmul_exact(&qx, &qw, &mut want);
         rep.gemms += 1;
@@ -146,6 +147,28 @@ pub fn sweep(kernels: &[Kernel], threads: &[usize], seed: u64) -> ConformanceRep
                 let got_acc = g.matmul_exact(&qx, &qw, &mut got);
                 rep.elements += m * n;
                 let what = format!("{kernel}×{t} on {m}×{k}×{n} {sx:?}/{sw:?}");
+                // Without exact accumulators a kernel may round in its own code: same bits.
+                let mut plain = vec![0f32; m * n];
+                let plain_res = g.matmul(&qx, &qw, &mut plain);
+                match (&want_acc, &plain_res) {
+                    (Ok(_), Ok(())) => {
+                        if let Some(i) =
+                            (0..m * n).find(|&i| want[i].to_bits() != plain[i].to_bits())
+                        {
+                            rep.failures.push(format!(
+                                "{what} (matmul): y[{}, {}] = {:e}, reference {:e}",
+                                i / n,
+                                i % n,
+                                plain[i],
+                                want[i]
+                            ));
+                        }
+                    }
+                    (Err(a), Err(b)) if a == b => {}
+                    (a, b) => rep
+                        .failures
+                        .push(format!("{what} (matmul): {b:?}, reference {a:?}")),
+                }
                 match (&want_acc, &got_acc) {
                     (Ok(a), Ok(b)) => {
                         if a != b {
@@ -169,6 +192,33 @@ pub fn sweep(kernels: &[Kernel], threads: &[usize], seed: u64) -> ConformanceRep
         }
     }
     rep
+}
+
+/// The row quantiser (`QuantizedRows::quantize`, SIMD where available) against the block
+/// quantiser's scales and the exact-integer element reference.
+fn check_rows(x: &[f32], k: usize, qx: &QuantizedRows, rep: &mut ConformanceReport) {
+    for (r, row) in x.chunks(k.max(1)).enumerate() {
+        for (b, vals) in row.chunks(BLOCK).enumerate() {
+            let mut q = [0i8; BLOCK];
+            let s = quantize_block(vals, &mut q);
+            if qx.scale(r, b) != s {
+                rep.failures.push(format!(
+                    "row quantiser: row {r} block {b} has scale {:?}, expected {s:?}",
+                    qx.scale(r, b)
+                ));
+            }
+            for (t, &v) in vals.iter().enumerate() {
+                rep.quantised += 1;
+                let want = quantize_element_reference(v, s);
+                if qx.block(r, b)[t] != want {
+                    rep.failures.push(format!(
+                        "row quantiser: {v:e} with {s:?} gives {}, reference {want}",
+                        qx.block(r, b)[t]
+                    ));
+                }
+            }
+        }
+    }
 }
 
 fn check_quantiser(x: &[f32], k: usize, rep: &mut ConformanceReport) {

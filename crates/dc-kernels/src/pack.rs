@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::buffer::AlignedBytes;
 use crate::error::{KernelError, Result};
-use crate::quant::{check_finite, quantize_block, BlockScale, BLOCK};
+use crate::quant::{check_finite, quantize_block, BlockScale, BLOCK, EXP_FAST};
 
 /// Columns per panel.
 pub const PANEL: usize = 16;
@@ -125,7 +125,7 @@ impl PackedWeights {
             let lo = sc.iter().map(|s| s.e as i32).min().unwrap_or(0);
             let hi = sc.iter().map(|s| s.e as i32).max().unwrap_or(0);
             col_exp_min[j] = lo;
-            col_fast[j] = hi - lo <= COL_SPAN_FAST;
+            col_fast[j] = hi - lo <= COL_SPAN_FAST && lo >= -EXP_FAST && hi <= EXP_FAST;
         }
         let mut data = AlignedBytes::zeroed(panels * blocks * RECORD);
         let mut panel_meta = Vec::with_capacity(panels);
@@ -207,6 +207,10 @@ impl PackedWeights {
     /// Smallest block exponent of column `j`.
     pub fn col_exp_min(&self, j: usize) -> i32 {
         self.col_exp_min[j]
+    }
+    /// Smallest block exponent of every column, zero padded to whole panels.
+    pub(crate) fn col_exp_mins(&self) -> &[i32] {
+        &self.col_exp_min
     }
     /// Fast-path facts of a panel.
     pub fn panel_meta(&self, p: usize) -> PanelMeta {

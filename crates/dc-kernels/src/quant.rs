@@ -2,10 +2,13 @@
 //! `m · 2^e` with `m` in `[128, 255]`, elements rounded half to even.
 //!
 //! The scale is found with integer arithmetic on the exact f32 value of the block's amax, so it
-//! is the same on every machine. Elements have two implementations: the reference divides exact
-//! integers; the fast one divides in f64, which is exact here because `x · 2^-e` is always
-//! representable in f64 for f32 inputs and a correctly rounded quotient by `m <= 255` can
-//! neither create nor destroy a tie. Tests check the two agree bit for bit.
+//! is the same on every machine. Elements have three implementations: the reference divides
+//! exact integers; the portable fast one divides in f64, which is exact here because `x · 2^-e`
+//! is always representable in f64 for f32 inputs and a correctly rounded quotient by
+//! `m <= 255` can neither create nor destroy a tie; the activation quantiser
+//! ([`QuantizedRows::quantize`]) does the same in f32 with AVX2, eight elements at a time (its
+//! own exactness argument is in the `avx2` module below). Tests check all three agree bit for
+//! bit.
 
 use crate::error::{KernelError, Result};
 
@@ -54,10 +57,12 @@ impl BlockScale {
         } else {
             14 - bits
         };
+        // For d < 0, ceil(a / (127 · 2^-d)) = ceil(ceil(a / 2^-d) / 127) (nested ceilings of
+        // positive integer quotients compose), which keeps the divisor the constant 127.
         let m = if d >= 0 {
             (a << d).div_ceil(127)
         } else {
-            a.div_ceil(127u64 << (-d))
+            a.div_ceil(1 << -d).div_ceil(127)
         };
         debug_assert!((128..=255).contains(&m), "m = {m}");
         BlockScale {
@@ -144,6 +149,218 @@ pub fn quantize_block(values: &[f32], out: &mut [i8; BLOCK]) -> BlockScale {
     s
 }
 
+/// Quantises one row (`k` values) into `q` and `abs_q` (`blocks × 32`, zero padded; `abs_q`
+/// holds the bits of `|q|` as a `u8`) and its block scales. Returns `false`, leaving the
+/// outputs unspecified, when the row holds a NaN or an infinity (the caller reports it).
+fn quantize_row(row: &[f32], q: &mut [i8], abs_q: &mut [i8], scales: &mut [BlockScale]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 detected.
+        return unsafe { avx2::quantize_row(row, q, abs_q, scales) };
+    }
+    if row.iter().any(|v| !v.is_finite()) {
+        return false;
+    }
+    quantize_row_scalar(row, q, abs_q, scales);
+    true
+}
+
+/// The portable row quantiser (finite values only), block by block with [`quantize_block`].
+fn quantize_row_scalar(row: &[f32], q: &mut [i8], abs_q: &mut [i8], scales: &mut [BlockScale]) {
+    for (b, s) in scales.iter_mut().enumerate() {
+        let vals = &row[b * BLOCK..((b + 1) * BLOCK).min(row.len())];
+        let dst: &mut [i8; BLOCK] = (&mut q[b * BLOCK..(b + 1) * BLOCK])
+            .try_into()
+            .expect("block slice is BLOCK long");
+        *s = quantize_block(vals, dst);
+        for (a, v) in abs_q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(dst.iter()) {
+            *a = v.unsigned_abs() as i8;
+        }
+    }
+}
+
+/// The activation quantiser in AVX2, eight elements per instruction.
+///
+/// Exactness argument (it must equal [`quantize_element_reference`] for every finite input):
+/// - `amax` is the integer maximum of the magnitude bits, which orders finite non-negative
+///   floats exactly like their values; the scale then comes from the same integer
+///   [`BlockScale::for_amax`] as everywhere else.
+/// - `y = x · 2^-e` is computed in f32 by one or two multiplications by powers of two. Scaling
+///   up never rounds (`|y| <= 127 · 255 < 2^15`, no overflow); scaling down can only round when
+///   `|y| < 2^-126`, and then both the exact and the computed quotient are far below 1/2, so
+///   both give 0.
+/// - `z = fl(y / m)` is one correctly rounded f32 division, and rounding `z` to an integer
+///   (ties to even) gives the same integer as rounding the exact quotient `t = y / m`. Every
+///   half-integer `h` with `|h| < 128` is an f32, so the monotone rounding never carries `t`
+///   across one; what remains is that it never turns a non-tie into a tie (`fl(t) = h`,
+///   `t ≠ h`). Let `2^j` be the lowest set bit of `y` (so `|y| < 2^(j+24)`) and
+///   `2^E <= |h| < 2^(E+1)`; `fl(t) = h` needs `|t − h| <= 2^(E−24)`.
+///   If `j >= −1`, `y − h·m` is a multiple of 1/2, so `|t − h| >= 1/(2m) > 2^−9`, far more.
+///   If `j < −1`, `y − h·m` is an odd multiple of `2^j`, so `2^j / m <= 2^(E−24)`, i.e.
+///   `m >= 2^(j+24−E)`; and `|y| = |t|·m >= (2^E − 2^(E−24))·m` with `|y| < 2^(j+24)` gives
+///   `m < 2^(j+24−E) / (1 − 2^−24)`. Both together force `m = 2^(j+24−E)`, a power of two in
+///   [128, 255]: `m = 128`, where the division is exact and `t = fl(t) = h` was a tie anyway.
+///   Quotients below 2^−126 are far below 1/2 whichever way they round.
+/// - `|x| <= amax <= 127 · s`, so the rounded quotient is at most 127 in magnitude: no clamp,
+///   and −128 never appears.
+///
+/// Property tests compare it with the reference on random bits, ties and extreme exponents.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{BlockScale, BLOCK};
+
+    /// `2^e` as an f32, for `-126 <= e <= 127`.
+    #[inline]
+    fn pow2f(e: i32) -> f32 {
+        debug_assert!((-126..=127).contains(&e));
+        f32::from_bits(((e + 127) as u32) << 23)
+    }
+
+    /// See [`super::quantize_row`]. Two passes over the row: all block scales first, then
+    /// all elements, so that neither pass waits on the other's long dependency chains (the
+    /// integer scale search, the divisions).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_row(
+        row: &[f32],
+        q: &mut [i8],
+        abs_q: &mut [i8],
+        scales: &mut [BlockScale],
+    ) -> bool {
+        let blocks = scales.len();
+        assert!(row.len() <= blocks * BLOCK);
+        assert!(q.len() == blocks * BLOCK && abs_q.len() == blocks * BLOCK);
+        let full = row.len() / BLOCK;
+        let mut padded = [0f32; BLOCK];
+        if full < blocks {
+            let tail = &row[full * BLOCK..];
+            padded[..tail.len()].copy_from_slice(tail);
+        }
+        let block_of = |b: usize| -> &[f32; BLOCK] {
+            if b < full {
+                row[b * BLOCK..(b + 1) * BLOCK]
+                    .try_into()
+                    .expect("block slice is BLOCK long")
+            } else {
+                &padded
+            }
+        };
+        for (b, s) in scales.iter_mut().enumerate() {
+            match scale(block_of(b)) {
+                Some(v) => *s = v,
+                None => return false,
+            }
+        }
+        for (b, &s) in scales.iter().enumerate() {
+            let qb: &mut [i8; BLOCK] = (&mut q[b * BLOCK..(b + 1) * BLOCK])
+                .try_into()
+                .expect("block slice is BLOCK long");
+            let ab: &mut [i8; BLOCK] = (&mut abs_q[b * BLOCK..(b + 1) * BLOCK])
+                .try_into()
+                .expect("block slice is BLOCK long");
+            elements(block_of(b), s, qb, ab);
+        }
+        true
+    }
+
+    /// Loads a block as four vectors.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn load(v: &[f32; BLOCK]) -> [__m256; 4] {
+        let p = v.as_ptr();
+        // SAFETY: `v` holds 32 f32s: four loads of eight.
+        unsafe {
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        }
+    }
+
+    /// A block's scale; `None` if it holds a NaN or an infinity.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn scale(v: &[f32; BLOCK]) -> Option<BlockScale> {
+        let mag = _mm256_set1_epi32(0x7fff_ffff);
+        let bits = load(v).map(|x| _mm256_and_si256(_mm256_castps_si256(x), mag));
+        let m4 = _mm256_max_epi32(
+            _mm256_max_epi32(bits[0], bits[1]),
+            _mm256_max_epi32(bits[2], bits[3]),
+        );
+        let m2 = _mm_max_epi32(
+            _mm256_castsi256_si128(m4),
+            _mm256_extracti128_si256::<1>(m4),
+        );
+        let m1 = _mm_max_epi32(m2, _mm_shuffle_epi32::<0b01_00_11_10>(m2));
+        let m0 = _mm_max_epi32(m1, _mm_shuffle_epi32::<0b10_11_00_01>(m1));
+        // Magnitude bits order finite values like the values themselves; anything at or
+        // above the bits of infinity is a NaN or an infinity.
+        let amax_bits = _mm_cvtsi128_si32(m0) as u32;
+        if amax_bits >= 0x7f80_0000 {
+            return None;
+        }
+        Some(BlockScale::for_amax(f32::from_bits(amax_bits)))
+    }
+
+    /// A block's elements with its scale `s` (see the module's exactness argument).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn elements(v: &[f32; BLOCK], s: BlockScale, q: &mut [i8; BLOCK], abs_q: &mut [i8; BLOCK]) {
+        // 2^-e in one or two factors, each a normal f32: -e is in [-114, 163] for finite
+        // non-zero amax, and the second factor is only needed above 2^127. (An all-zero block
+        // has e = -7 and quantises to zeros like any other.)
+        let ne = -(s.e as i32);
+        let (f1, f2) = if ne <= 127 {
+            (pow2f(ne), 1.0)
+        } else {
+            (pow2f(127), pow2f(ne - 127))
+        };
+        let (f1, f2) = (_mm256_set1_ps(f1), _mm256_set1_ps(f2));
+        let m = _mm256_set1_ps(s.m as f32);
+        let qi = load(v).map(|x| {
+            let y = _mm256_mul_ps(_mm256_mul_ps(x, f1), f2);
+            let z = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_div_ps(y, m),
+            );
+            _mm256_cvttps_epi32(z)
+        });
+        // i32 → i8 (values are within ±127, so the saturating packs are exact); the packs
+        // interleave 128-bit lanes, which the final permutation undoes.
+        let w = _mm256_packs_epi16(
+            _mm256_packs_epi32(qi[0], qi[1]),
+            _mm256_packs_epi32(qi[2], qi[3]),
+        );
+        let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: both outputs are 32 bytes.
+        unsafe {
+            _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, w);
+            _mm256_storeu_si256(abs_q.as_mut_ptr() as *mut __m256i, _mm256_abs_epi8(w));
+        }
+    }
+}
+
+/// The sum of a block's magnitudes (each at most 128), eight bytes per step: the bytes are
+/// added in 16-bit lanes (at most 4 · 2 · 128 per lane, no carry between lanes), then the
+/// lanes are folded by one multiplication whose top 16 bits collect their sum (< 2^13).
+fn byte_sum(abs: &[i8]) -> u64 {
+    const LOW: u64 = 0x00ff_00ff_00ff_00ff;
+    let lanes = abs.chunks_exact(8).fold(0u64, |acc, c| {
+        let c: [i8; 8] = c.try_into().expect("8 bytes");
+        let w = u64::from_le_bytes(c.map(|v| v as u8));
+        acc + (w & LOW) + ((w >> 8) & LOW)
+    });
+    let tail: u64 = abs
+        .chunks_exact(8)
+        .remainder()
+        .iter()
+        .map(|&v| v as u8 as u64)
+        .sum();
+    (lanes.wrapping_mul(0x0001_0001_0001_0001) >> 48) + tail
+}
+
 /// Finds the first non-finite value of a row and reports it.
 pub(crate) fn check_finite(values: &[f32], tensor: &str, row: usize) -> Result<()> {
     if let Some(col) = values.iter().position(|v| !v.is_finite()) {
@@ -160,6 +377,13 @@ pub(crate) fn check_finite(values: &[f32], tensor: &str, row: usize) -> Result<(
 /// Largest exponent span within a row for which the SIMD kernels can fold `m · 2^(e - e_min)`
 /// into one positive `i32` multiplier (255 · 2^23 < 2^31).
 pub const ROW_SPAN_FAST: i32 = 23;
+
+/// Largest block exponent magnitude the SIMD kernels accept (rows and columns): the exponent
+/// of a fast-path sum (row + column, plus at most 11 in the rounding) then stays far inside
+/// the range of the exact f64 scaling in `exact::round_i64_fast` and the vector rounding.
+/// Quantised f32 data never comes close (its exponents lie in [−163, 114]); only scales made
+/// up by hand through `from_parts` or `from_columns` can go past it, and take the exact path.
+pub const EXP_FAST: i32 = 400;
 
 /// Per-row facts the fast kernels need, computed once per quantisation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,8 +403,9 @@ pub struct QuantizedRows {
     rows: usize,
     k: usize,
     blocks: usize,
-    q: Vec<i8>,
-    abs_q: Vec<u8>,
+    /// Per row, its `blocks × 32` elements followed by their magnitudes (the bits of `|q|`,
+    /// read as `u8` by the kernels), so a kernel reaches both through one row pointer.
+    qa: Vec<i8>,
     scales: Vec<BlockScale>,
     mult: Vec<i32>,
     meta: Vec<RowMeta>,
@@ -188,6 +413,8 @@ pub struct QuantizedRows {
 
 impl QuantizedRows {
     /// Quantises a row-major `rows × k` matrix. `tensor` names it in errors.
+    ///
+    /// The first non-finite value in row-major order is the error, whatever the path.
     pub fn quantize(x: &[f32], rows: usize, k: usize, tensor: &str) -> Result<QuantizedRows> {
         if x.len() != rows * k {
             return Err(KernelError::Shape {
@@ -196,21 +423,20 @@ impl QuantizedRows {
             });
         }
         let blocks = k.div_ceil(BLOCK);
-        let mut q = vec![0i8; rows * blocks * BLOCK];
+        let width = blocks * BLOCK;
+        let mut qa = vec![0i8; rows * 2 * width];
         let mut scales = vec![BlockScale::ZERO_BLOCK; rows * blocks];
         for r in 0..rows {
             let row = &x[r * k..(r + 1) * k];
-            check_finite(row, tensor, r)?;
-            for b in 0..blocks {
-                let vals = &row[b * BLOCK..((b + 1) * BLOCK).min(k)];
-                let dst: &mut [i8; BLOCK] = (&mut q
-                    [(r * blocks + b) * BLOCK..(r * blocks + b + 1) * BLOCK])
-                    .try_into()
-                    .expect("block slice is BLOCK long");
-                scales[r * blocks + b] = quantize_block(vals, dst);
+            let (qr, ar) = qa[2 * r * width..2 * (r + 1) * width].split_at_mut(width);
+            let sr = &mut scales[r * blocks..(r + 1) * blocks];
+            if !quantize_row(row, qr, ar, sr) {
+                check_finite(row, tensor, r)?;
+                // Not reached: only rows with a non-finite value are refused. Kept total.
+                quantize_row_scalar(row, qr, ar, sr);
             }
         }
-        Ok(Self::from_parts(rows, k, q, scales))
+        Ok(Self::assemble(rows, k, qa, scales))
     }
 
     /// Builds from already quantised blocks (`q`: rows × blocks × 32, `scales`: rows × blocks).
@@ -220,23 +446,34 @@ impl QuantizedRows {
         assert_eq!(q.len(), rows * blocks * BLOCK, "q length");
         assert_eq!(scales.len(), rows * blocks, "scales length");
         debug_assert!(q.iter().all(|&v| v != i8::MIN));
-        let abs_q = q.iter().map(|v| v.unsigned_abs()).collect();
+        let width = blocks * BLOCK;
+        let mut qa = Vec::with_capacity(2 * q.len());
+        for row in q.chunks_exact(width.max(1)) {
+            qa.extend_from_slice(row);
+            qa.extend(row.iter().map(|v| v.unsigned_abs() as i8));
+        }
+        Self::assemble(rows, k, qa, scales)
+    }
+
+    /// Derives the kernels' per-row facts (multipliers and bounds) from quantised rows.
+    fn assemble(rows: usize, k: usize, qa: Vec<i8>, scales: Vec<BlockScale>) -> Self {
+        let blocks = k.div_ceil(BLOCK);
+        let width = blocks * BLOCK;
         let mut mult = vec![0i32; rows * blocks];
         let mut meta = Vec::with_capacity(rows);
         for r in 0..rows {
             let sc = &scales[r * blocks..(r + 1) * blocks];
             let exp_min = sc.iter().map(|s| s.e as i32).min().unwrap_or(0);
             let exp_max = sc.iter().map(|s| s.e as i32).max().unwrap_or(0);
-            let fast = exp_max - exp_min <= ROW_SPAN_FAST;
+            let fast =
+                exp_max - exp_min <= ROW_SPAN_FAST && exp_min >= -EXP_FAST && exp_max <= EXP_FAST;
             let mut bound = 0u64;
             if fast {
                 for (b, s) in sc.iter().enumerate() {
                     let m = (s.m as i64) << (s.e as i32 - exp_min);
                     mult[r * blocks + b] = m as i32;
-                    let abs_sum: u64 = q[(r * blocks + b) * BLOCK..(r * blocks + b + 1) * BLOCK]
-                        .iter()
-                        .map(|v| v.unsigned_abs() as u64)
-                        .sum();
+                    let abs = (2 * r + 1) * width + b * BLOCK;
+                    let abs_sum = byte_sum(&qa[abs..abs + BLOCK]);
                     bound = bound.saturating_add(abs_sum * m as u64);
                 }
             }
@@ -250,8 +487,7 @@ impl QuantizedRows {
             rows,
             k,
             blocks,
-            q,
-            abs_q,
+            qa,
             scales,
             mult,
             meta,
@@ -272,8 +508,7 @@ impl QuantizedRows {
     }
     /// The quantised elements of a row's block.
     pub fn block(&self, row: usize, b: usize) -> &[i8] {
-        let o = (row * self.blocks + b) * BLOCK;
-        &self.q[o..o + BLOCK]
+        &self.row_q(row)[b * BLOCK..(b + 1) * BLOCK]
     }
     /// The scale of a row's block.
     pub fn scale(&self, row: usize, b: usize) -> BlockScale {
@@ -281,11 +516,14 @@ impl QuantizedRows {
     }
     /// All elements of a row (blocks × 32, zero padded).
     pub fn row_q(&self, row: usize) -> &[i8] {
-        &self.q[row * self.blocks * BLOCK..(row + 1) * self.blocks * BLOCK]
+        let width = self.blocks * BLOCK;
+        &self.qa[2 * row * width..(2 * row + 1) * width]
     }
-    /// Absolute values of a row's elements.
-    pub(crate) fn row_abs(&self, row: usize) -> &[u8] {
-        &self.abs_q[row * self.blocks * BLOCK..(row + 1) * self.blocks * BLOCK]
+    /// Magnitudes of a row's elements, as the bits of a `u8` (they directly follow
+    /// [`QuantizedRows::row_q`] in memory: `row_q(r).as_ptr() + blocks · 32`).
+    pub(crate) fn row_abs(&self, row: usize) -> &[i8] {
+        let width = self.blocks * BLOCK;
+        &self.qa[(2 * row + 1) * width..(2 * row + 2) * width]
     }
     /// `m · 2^(e - exp_min)` per block of a fast row.
     pub(crate) fn row_mult(&self, row: usize) -> &[i32] {

@@ -4,7 +4,7 @@
 use dc_kernels::commit::commit_gemm;
 use dc_kernels::conformance::{matrix, Style};
 use dc_kernels::rng::SplitMix64;
-use dc_kernels::{Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
+use dc_kernels::{Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 use proptest::prelude::*;
 
 fn style() -> impl Strategy<Value = Style> {
@@ -28,6 +28,21 @@ fn run(
 ) {
     let mut y = vec![0f32; x.rows() * w.n()];
     let acc = g.matmul_exact(x, w, &mut y);
+    // Without exact accumulators the kernels may round in their own (vector) code: the
+    // outputs and the error must still be the same.
+    let mut plain = vec![0f32; x.rows() * w.n()];
+    let res = g.matmul(x, w, &mut plain);
+    match (&acc, &res) {
+        (Ok(_), Ok(())) => assert_eq!(
+            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{} × {}: matmul differs from matmul_exact",
+            g.kernel(),
+            g.threads()
+        ),
+        (Err(a), Err(b)) => assert_eq!(a, b, "{}: errors differ", g.kernel()),
+        (a, b) => panic!("{}: matmul_exact {a:?} but matmul {b:?}", g.kernel()),
+    }
     (y.iter().map(|v| v.to_bits()).collect(), acc)
 }
 
@@ -95,6 +110,98 @@ proptest! {
     }
 }
 
+/// Rows whose blocks alternate between exponents 0 and `span`, with values of one sign per
+/// row in [0.5, 1) · 2^e: the products add up instead of cancelling, so the exact sums come
+/// close to the fast path's bound.
+fn aligned(rng: &mut SplitMix64, rows: usize, k: usize, span: i32) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * k);
+    for r in 0..rows {
+        let sign = if r % 3 == 2 { -1.0 } else { 1.0 };
+        for i in 0..k {
+            let e = if (i / 32) % 2 == 1 { span } else { 0 };
+            v.push(sign * (0.5 + 0.5 * rng.unit() as f32) * 2f32.powi(e));
+        }
+    }
+    v
+}
+
+/// Whether `(row, panel)` takes the i64 fast path, and the bound on its sums.
+fn fast_bound(qx: &QuantizedRows, r: usize, qw: &PackedWeights, p: usize) -> Option<u128> {
+    let (rm, pm) = (qx.meta(r), qw.panel_meta(p));
+    let bound = (rm.bound as u128) * (pm.bound as u128);
+    (rm.fast && pm.fast && bound < 1 << 63).then_some(bound)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Exponent spans just inside the i64 fast path: exact sums far above 2^51 (where the
+    /// vector rounding hands over to the scalar one) up to the 2^63 bound.
+    #[test]
+    fn wide_fast_path_sums_equal_the_reference(
+        m in 1usize..10,
+        k in 32usize..300,
+        n in 1usize..50,
+        span_x in 0i32..=16,
+        span_w in 0i32..=16,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = aligned(&mut rng, m, k, span_x);
+        let w = aligned(&mut rng, n, k, span_w);
+        let qx = QuantizedRows::quantize(&x, m, k, "x").expect("finite");
+        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").expect("finite");
+        let (want, want_acc) = run(&Gemm::new(Kernel::Scalar, 1).unwrap(), &qx, &qw);
+        for kernel in Kernel::supported() {
+            for threads in [1, 2] {
+                let (got, got_acc) = run(&Gemm::new(kernel, threads).unwrap(), &qx, &qw);
+                prop_assert_eq!(&want, &got, "{} × {}", kernel, threads);
+                prop_assert_eq!(want_acc.as_ref().ok(), got_acc.as_ref().ok());
+            }
+        }
+    }
+}
+
+#[test]
+fn wide_fast_path_sums_occur_in_the_test_above() {
+    // The generator above does produce fast-path pairs whose exact sums exceed 2^51 (the
+    // limit of the vector rounding) and come within a factor 4 of the 2^63 bound.
+    let (m, k, n) = (8, 256, 32);
+    let mut rng = SplitMix64::new(3);
+    let x = aligned(&mut rng, m, k, 12);
+    let w = aligned(&mut rng, n, k, 12);
+    let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
+    let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
+    let mut y = vec![0f32; m * n];
+    let acc = Gemm::new(Kernel::Scalar, 1)
+        .unwrap()
+        .matmul_exact(&qx, &qw, &mut y)
+        .unwrap();
+    let mut largest = 0u32;
+    for r in 0..m {
+        for c in 0..n {
+            if fast_bound(&qx, r, &qw, c / 16).is_none() {
+                continue;
+            }
+            // The fast path's integer is the value in units of 2^(e_min,row + e_min,col).
+            let unit = qx.meta(r).exp_min + qw.col_exp_min(c);
+            let Exact::Small { mant, exp } = acc.get(r, c) else {
+                panic!("a fast-path sum is below 2^63");
+            };
+            largest = largest.max(64 - mant.unsigned_abs().leading_zeros() + (exp - unit) as u32);
+        }
+    }
+    assert!(
+        (52..=63).contains(&largest),
+        "largest fast-path sum has {largest} bits"
+    );
+    let (want, _) = run(&Gemm::new(Kernel::Scalar, 1).unwrap(), &qx, &qw);
+    for kernel in Kernel::supported() {
+        let (got, _) = run(&Gemm::new(kernel, 1).unwrap(), &qx, &qw);
+        assert_eq!(want, got, "{kernel}");
+    }
+}
+
 #[test]
 fn large_products_agree_across_kernels_and_threads() {
     // Big enough for several row chunks, full tiles and every panel split.
@@ -112,5 +219,43 @@ fn large_products_agree_across_kernels_and_threads() {
             assert_eq!(want, got, "{kernel} × {threads}");
             assert_eq!(want_acc, acc.unwrap(), "{kernel} × {threads}");
         }
+    }
+}
+
+#[test]
+fn products_from_inside_the_pool_and_from_many_threads_agree() {
+    // The calling thread takes part in the work and waits only for workers that joined: run
+    // products from a pool worker (nested) and from several outside threads at once, many
+    // times, on shapes from one panel to many.
+    let mut rng = SplitMix64::new(11);
+    let cases: Vec<(QuantizedRows, PackedWeights)> = [(1, 64, 40), (3, 100, 300), (9, 33, 17)]
+        .iter()
+        .map(|&(m, k, n)| {
+            let x = matrix(&mut rng, m, k, Style::Normal);
+            let w = matrix(&mut rng, n, k, Style::Span(10));
+            (
+                QuantizedRows::quantize(&x, m, k, "x").unwrap(),
+                PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap(),
+            )
+        })
+        .collect();
+    let reference = Gemm::new(Kernel::Scalar, 1).unwrap();
+    let want: Vec<Vec<u32>> = cases.iter().map(|(x, w)| run(&reference, x, w).0).collect();
+    for kernel in Kernel::supported() {
+        let g = Gemm::new(kernel, 3).unwrap();
+        let nested: Vec<Vec<u32>> =
+            g.install(|| cases.iter().map(|(x, w)| run(&g, x, w).0).collect());
+        assert_eq!(nested, want, "{kernel} nested");
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..50 {
+                        for ((x, w), want) in cases.iter().zip(&want) {
+                            assert_eq!(&run(&g, x, w).0, want, "{kernel} concurrent");
+                        }
+                    }
+                });
+            }
+        });
     }
 }

@@ -95,7 +95,7 @@ macro_rules! tile_fn {
             let nb = w.blocks();
             let base = w.data()[panel * nb * RECORD..(panel + 1) * nb * RECORD].as_ptr();
             let xq: [*const i8; $rows] = rows.map(|r| x.row_q(r).as_ptr());
-            let xa: [*const u8; $rows] = rows.map(|r| x.row_abs(r).as_ptr());
+            let xa: [*const u8; $rows] = rows.map(|r| x.row_abs(r).as_ptr() as *const u8);
             let xm: [*const i32; $rows] = rows.map(|r| x.row_mult(r).as_ptr());
             let zero = _mm512_setzero_si512();
             let mut acc = [[zero; 2]; $rows];

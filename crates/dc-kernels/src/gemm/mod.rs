@@ -2,22 +2,22 @@
 //! place where results are rounded and committed.
 //!
 //! Kernels differ only in how fast they compute the exact integer accumulators; all of them
-//! hand every output to the same [`sink::Sink`], so a kernel can never round differently.
-//! Threads split the output columns by panel: which thread computes an element never changes
-//! its value, because every accumulator is an exact integer.
+//! hand every output to the same [`sink::Sink`], so a kernel can never round differently (or,
+//! where a kernel rounds in its own vector code, it is tested to store exactly what the sink
+//! would). Threads split the output columns by panel (`parallel.rs`): which thread computes an
+//! element never changes its value, because every accumulator is an exact integer.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod parallel;
 pub mod reference;
 mod sink;
 
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
-
-use rayon::prelude::*;
 
 pub use sink::{Accumulators, Slot};
 
@@ -117,6 +117,20 @@ impl Kernel {
     }
 }
 
+/// Multiply-accumulates per second of the AVX2 kernel's 4-row tile alone on L1-resident data
+/// (for [`crate::bench`]); `None` where AVX2 is missing.
+pub(crate) fn avx2_tile_macs_per_second(time: std::time::Duration) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2::tile_macs_per_second(time)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = time;
+        None
+    }
+}
+
 impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -140,8 +154,9 @@ impl fmt::Debug for Gemm {
     }
 }
 
-/// Panels a task takes at least: enough work (tens of KiB of weights) to amortise scheduling.
-const MIN_PANELS_PER_TASK: usize = 4;
+/// Chunks of panels per thread: enough for the threads to even out, few enough that each
+/// chunk streams a long run of weights.
+const CHUNKS_PER_THREAD: usize = 8;
 
 impl Gemm {
     /// An engine running `kernel` on `threads` threads (1 runs on the caller's thread).
@@ -243,24 +258,12 @@ impl Gemm {
         }
         let sink = Sink::new(out, w.n(), slots);
         let panels = w.panels();
-        let tasks = (self.threads * 4)
-            .min(panels.div_ceil(MIN_PANELS_PER_TASK))
-            .max(1);
-        if tasks == 1 || self.pool.is_none() {
-            self.kernel.run(x, w, 0..panels, &sink)?;
-        } else {
-            let kernel = self.kernel;
-            let results: Vec<Result<()>> = self.install(|| {
-                (0..tasks)
-                    .into_par_iter()
-                    .map(|t| {
-                        let range = (t * panels / tasks)..((t + 1) * panels / tasks);
-                        kernel.run(x, w, range, &sink)
-                    })
-                    .collect()
-            });
-            // The first failing task in column order: the same error whatever the timing.
-            results.into_iter().collect::<Result<Vec<()>>>()?;
+        match &self.pool {
+            Some(pool) if panels > 1 => {
+                let chunks = panels.min(self.threads * CHUNKS_PER_THREAD);
+                parallel::run(pool, self.threads - 1, chunks, self.kernel, x, w, &sink)?;
+            }
+            _ => self.kernel.run(x, w, 0..panels, &sink)?,
         }
         sink.overflow_error()?;
         Ok(if sink.wants_slots() {

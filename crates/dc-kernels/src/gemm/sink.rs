@@ -98,6 +98,24 @@ impl Sink {
         self.slots.is_some()
     }
 
+    /// Where a kernel may store `len` finished f32 values of `row` from column `col` on, with
+    /// its own (vector) stores; `None` when it must go through [`Sink::put_i64`] instead,
+    /// because the exact accumulators are wanted or the run leaves the row.
+    ///
+    /// The caller must hold the task that owns those columns (tasks split columns by panel,
+    /// so no other thread writes them), store only finite values, and only values equal to
+    /// what [`Sink::put_i64`] would store.
+    #[inline]
+    pub(crate) fn out_run(&self, row: usize, col: usize, len: usize) -> Option<*mut f32> {
+        if self.slots.is_some() || col + len > self.cols {
+            return None;
+        }
+        let idx = row * self.cols + col;
+        assert!(idx + len <= self.len, "sink run out of range");
+        // SAFETY: idx + len <= len, inside the output slice.
+        Some(unsafe { self.out.add(idx) })
+    }
+
     /// Stores `sum · 2^exp` for element `(row, col)`.
     #[inline]
     pub(crate) fn put_i64(&self, row: usize, col: usize, sum: i64, exp: i32) -> Result<()> {
