@@ -197,8 +197,18 @@ pub fn row_leaf_at(acc: &Accumulators, row: usize, first: usize) -> Commitment {
 
 /// The commitment to a GEMM whose rows are positions `first..first + rows`.
 pub fn commit_gemm_at(acc: &Accumulators, first: usize) -> Commitment {
-    let leaves: Vec<Commitment> = (0..acc.rows).map(|r| row_leaf_at(acc, r, first)).collect();
-    gemm_commitment(acc.rows, acc.cols, &merkle_root(&leaves))
+    commit_gemm_from(acc, first, first)
+}
+
+/// The commitment to the rows at positions `from..` of a GEMM whose rows are positions
+/// `first..first + rows`: what a hop that started at `from` committed, recomputed from a longer
+/// run (an audit replays every earlier position to rebuild the caches).
+pub fn commit_gemm_from(acc: &Accumulators, first: usize, from: usize) -> Commitment {
+    let skip = from.saturating_sub(first).min(acc.rows);
+    let leaves: Vec<Commitment> = (skip..acc.rows)
+        .map(|r| row_leaf_at(acc, r, first))
+        .collect();
+    gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
 }
 
 /// A row leaf from exact values computed outside a GEMM kernel (the attention products), in

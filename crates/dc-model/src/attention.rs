@@ -9,6 +9,7 @@
 //!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
 //!   Keys outside the causal or sliding window are exact zeros.
 
+use dc_kernels::commit::{exact_row_leaf, gemm_commitment, merkle_root};
 use dc_kernels::elementwise::softmax;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::quant::{quantize_block, BlockScale, BLOCK, QMAX};
@@ -158,9 +159,9 @@ impl LayerCache {
     }
 }
 
-/// Sums a handful of block terms exactly and rounds once to f32.
+/// Sums a handful of block terms exactly: the rounded f32 and, when asked, the exact value.
 #[inline]
-fn sum_terms(terms: &[(i64, i32)]) -> Option<f32> {
+fn sum_terms(terms: &[(i64, i32)], want_exact: bool) -> Option<(f32, Option<Exact>)> {
     let emin = terms.iter().map(|t| t.1).min()?;
     let emax = terms.iter().map(|t| t.1).max()?;
     // Terms are below 2^35; with a span of at most 24 bits and at most 8 terms the shifted sum
@@ -168,9 +169,13 @@ fn sum_terms(terms: &[(i64, i32)]) -> Option<f32> {
     if emax - emin <= 24 && terms.len() <= 8 {
         let s: i64 = terms.iter().map(|&(t, e)| t << (e - emin)).sum();
         let v = round_i64_fast(s, emin);
-        return v.is_finite().then_some(v);
+        return v
+            .is_finite()
+            .then(|| (v, want_exact.then(|| Exact::from_i64(s, emin))));
     }
-    exact_sum(terms).to_f32()
+    let e = exact_sum(terms);
+    let v = e.to_f32()?;
+    Some((v, want_exact.then_some(e)))
 }
 
 /// What one layer's attention needs besides the cache.
@@ -186,6 +191,23 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// Commitments to both attention products of one layer over a hop's rows: per query position,
+/// one leaf over every head's exact scores, one over every head's exact context values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionCommitments {
+    /// `Q · Kᵀ`.
+    pub scores: dc_kernels::Commitment,
+    /// `P' · V`.
+    pub context: dc_kernels::Commitment,
+}
+
+/// Exact values of one (position, head), kept only when committing.
+#[derive(Default)]
+struct HeadExact {
+    scores: Vec<Exact>,
+    context: Vec<Exact>,
+}
+
 /// Causal attention of `rows` new query rows at absolute positions `start..start + rows`
 /// against every key in `cache` (which must already hold those positions).
 /// `q` is `rows × heads · head_dim` (RoPE applied); the context goes to `out`, same shape.
@@ -197,6 +219,20 @@ pub fn attend(
     out: &mut [f32],
     layer: usize,
 ) -> Result<()> {
+    attend_committed(shape, cache, q, start, out, layer, None).map(|_| ())
+}
+
+/// [`attend`], also committing to the exact values of both products for the positions from
+/// `commit_from` on, when given.
+pub fn attend_committed(
+    shape: AttentionShape,
+    cache: &LayerCache,
+    q: &[f32],
+    start: usize,
+    out: &mut [f32],
+    layer: usize,
+    commit_from: Option<usize>,
+) -> Result<Option<AttentionCommitments>> {
     let (hd, heads) = (shape.head_dim, shape.heads);
     let rows = q.len() / (heads * hd);
     if start + rows > cache.len {
@@ -208,26 +244,66 @@ pub fn attend(
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let group = heads / shape.kv_heads;
-    let failures: Vec<String> = out
+    let results: Vec<Result<Option<HeadExact>, String>> = out
         .par_chunks_mut(hd)
         .enumerate()
-        .filter_map(|(idx, o)| {
+        .map(|(idx, o)| {
             let (t, h) = (idx / heads, idx % heads);
             let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-            head_attention(cache, qh, h / group, start + t, shape.window, scale, o).err()
+            let mut ex = commit_from
+                .is_some_and(|f| start + t >= f)
+                .then(HeadExact::default);
+            head_attention(
+                cache,
+                qh,
+                h / group,
+                start + t,
+                shape.window,
+                scale,
+                o,
+                ex.as_mut(),
+            )?;
+            Ok(ex)
         })
         .collect();
-    match failures.into_iter().next() {
-        None => Ok(()),
-        Some(detail) => Err(ModelError::NonFinite {
-            stage: format!("attention of layer {layer}"),
-            layer: layer.to_string(),
-            detail,
-        }),
+    let mut exact = Vec::with_capacity(results.len());
+    for r in results {
+        match r {
+            Ok(e) => exact.push(e),
+            Err(detail) => {
+                return Err(ModelError::NonFinite {
+                    stage: format!("attention of layer {layer}"),
+                    layer: layer.to_string(),
+                    detail,
+                })
+            }
+        }
     }
+    let Some(from) = commit_from else {
+        return Ok(None);
+    };
+    let (mut sl, mut cl) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+    for (t, row) in exact.chunks(heads).enumerate() {
+        if start + t < from {
+            continue;
+        }
+        let mut s = Vec::new();
+        let mut c = Vec::new();
+        for e in row.iter().flatten() {
+            s.extend_from_slice(&e.scores);
+            c.extend_from_slice(&e.context);
+        }
+        sl.push(exact_row_leaf(start + t, &s));
+        cl.push(exact_row_leaf(start + t, &c));
+    }
+    Ok(Some(AttentionCommitments {
+        scores: gemm_commitment(sl.len(), heads, &merkle_root(&sl)),
+        context: gemm_commitment(cl.len(), heads * hd, &merkle_root(&cl)),
+    }))
 }
 
 /// One query head at absolute position `pos`.
+#[allow(clippy::too_many_arguments)]
 fn head_attention(
     cache: &LayerCache,
     qh: &[f32],
@@ -236,6 +312,7 @@ fn head_attention(
     window: Option<usize>,
     scale: f32,
     out: &mut [f32],
+    mut exact: Option<&mut HeadExact>,
 ) -> Result<(), String> {
     let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
     // Quantise the query head.
@@ -272,8 +349,11 @@ fn head_attention(
                 sq.e as i32 + sk.e as i32,
             ));
         }
-        let dot = sum_terms(&terms)
+        let (dot, ex) = sum_terms(&terms, exact.is_some())
             .ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
+        if let (Some(e), Some(v)) = (exact.as_deref_mut(), ex) {
+            e.scores.push(v);
+        }
         *s = dot * scale;
     }
     softmax(&mut scores);
@@ -313,16 +393,22 @@ fn head_attention(
         }
     }
     for (o, t) in out.iter_mut().zip(&ctx_terms) {
-        *o = context_sum(t).ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
+        let e = context_sum(t);
+        *o = e
+            .to_f32()
+            .ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
+        if let Some(x) = exact.as_deref_mut() {
+            x.context.push(e);
+        }
     }
     Ok(())
 }
 
 /// Exact sum of the P'·V block terms of one output (`|term| < 2^27`).
-fn context_sum(terms: &[(i64, i32)]) -> Option<f32> {
+fn context_sum(terms: &[(i64, i32)]) -> Exact {
     let nz = terms.iter().filter(|t| t.0 != 0);
     let Some(emin) = nz.clone().map(|t| t.1).min() else {
-        return Some(0.0);
+        return Exact::ZERO;
     };
     let emax = nz.map(|t| t.1).max().unwrap_or(emin);
     // 27-bit terms, shifted by at most 90 bits, at most 2^8 blocks: below 2^126.
@@ -332,9 +418,9 @@ fn context_sum(terms: &[(i64, i32)]) -> Option<f32> {
             .filter(|t| t.0 != 0)
             .map(|&(t, e)| (t as i128) << (e - emin))
             .sum();
-        return Exact::from_i128(s, emin).to_f32();
+        return Exact::from_i128(s, emin);
     }
-    exact_sum(terms).to_f32()
+    exact_sum(terms)
 }
 
 #[cfg(test)]

@@ -216,7 +216,9 @@ pub fn generate(
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation> {
     if !pipeline.is_empty() {
-        return Err(ModelError::Input("the pipeline already holds a generation".into()));
+        return Err(ModelError::Input(
+            "the pipeline already holds a generation".into(),
+        ));
     }
     let mut tl = TokenLoop::new(req, pipeline.model.config.max_positions)?;
     let mut logits = pipeline.prefill(gemm, &req.prompt, req.chunk)?;

@@ -87,14 +87,18 @@ impl SafetensorsSource {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| {
                     p.extension().is_some_and(|x| x == "safetensors")
-                        && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("model"))
+                        && p.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("model"))
                 })
                 .collect();
             files.sort();
             files
         };
         if files.is_empty() {
-            return Err(ModelError::format(dir, "no model.safetensors (or model.safetensors.index.json with its shards)"));
+            return Err(ModelError::format(
+                dir,
+                "no model.safetensors (or model.safetensors.index.json with its shards)",
+            ));
         }
         let mut shards = Vec::new();
         let mut index = HashMap::new();

@@ -61,8 +61,12 @@ pub fn source_fingerprint(path: &Path) -> Result<Commitment> {
             .map_err(|e| ModelError::io(path, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| {
-                let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-                (name.starts_with("model") && name.ends_with(".safetensors")) || name.ends_with(".json")
+                let name = p
+                    .file_name()
+                    .map(|n| n.to_string_lossy().to_string())
+                    .unwrap_or_default();
+                (name.starts_with("model") && name.ends_with(".safetensors"))
+                    || name.ends_with(".json")
             })
             .collect()
     } else {

@@ -13,11 +13,12 @@ use std::path::{Path, PathBuf};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu, RopeTable};
 use dc_kernels::{Commitment, Domain, Gemm, QuantizedRows};
 
-use crate::attention::{attend, AttentionShape, LayerCache};
+use crate::attention::{attend_committed, AttentionShape, LayerCache};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::hf::{read_json, SafetensorsSource};
 use crate::source::TensorSource;
+use crate::trace::{HopTrace, Point};
 use crate::weights::{check_range, load_head, load_layer, Head, Layer, Mlp, Norm};
 
 /// Activations crossing a stage boundary: `rows` consecutive positions starting at `start`,
@@ -50,6 +51,16 @@ impl Activations {
             start: self.start + r - 1,
             hidden: self.hidden,
             data: self.data[(r - 1) * self.hidden..].to_vec(),
+        }
+    }
+
+    /// The rows at positions `from..` (all rows if `from` is before the first).
+    pub fn rows_from(&self, from: usize) -> Activations {
+        let skip = from.saturating_sub(self.start).min(self.rows());
+        Activations {
+            start: self.start + skip,
+            hidden: self.hidden,
+            data: self.data[skip * self.hidden..].to_vec(),
         }
     }
 
@@ -119,6 +130,18 @@ impl KvCache {
     /// The layers this cache serves.
     pub fn layers(&self) -> Range<usize> {
         self.layers.clone()
+    }
+
+    /// A copy of the caches of `layers` (a sub-range of ours).
+    pub fn sub(&self, layers: Range<usize>) -> Option<KvCache> {
+        if layers.start < self.layers.start || layers.end > self.layers.end || layers.is_empty() {
+            return None;
+        }
+        let a = layers.start - self.layers.start;
+        Some(KvCache {
+            caches: self.caches[a..a + layers.len()].to_vec(),
+            layers,
+        })
     }
 }
 
@@ -299,6 +322,17 @@ impl Model {
         x: Activations,
         cache: &mut KvCache,
     ) -> Result<Activations> {
+        self.run_layers_traced(gemm, x, cache, None)
+    }
+
+    /// [`Model::run_layers`], also recording every commitment of the hop into `trace`.
+    pub fn run_layers_traced(
+        &self,
+        gemm: &Gemm,
+        x: Activations,
+        cache: &mut KvCache,
+        mut trace: Option<&mut HopTrace>,
+    ) -> Result<Activations> {
         let range = cache.layers();
         let stage = format!("layers {}..{}", range.start, range.end);
         if x.hidden != self.config.hidden_size
@@ -331,8 +365,25 @@ impl Model {
             let layer = self.layers.get(&i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))
             })?;
-            x = self.block(gemm, layer, i, x, &mut cache.caches[ci])?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.push(i, Point::Input, x.rows_from(t.from).commitment());
+            }
+            x = self.block(
+                gemm,
+                layer,
+                i,
+                x,
+                &mut cache.caches[ci],
+                trace.as_deref_mut(),
+            )?;
             x.check_finite(&stage, &i.to_string())?;
+        }
+        if let Some(t) = trace {
+            t.push(
+                range.end - 1,
+                Point::Output,
+                x.rows_from(t.from).commitment(),
+            );
         }
         Ok(x)
     }
@@ -350,6 +401,7 @@ impl Model {
     }
 
     /// One transformer block.
+    #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
         gemm: &Gemm,
@@ -357,17 +409,24 @@ impl Model {
         i: usize,
         x: Activations,
         cache: &mut LayerCache,
+        mut trace: Option<&mut HopTrace>,
     ) -> Result<Activations> {
         let cfg = &self.config;
         let (rows, start) = (x.rows(), x.start);
         let name = |what: &str| format!("layer {i} {what}");
+        let first = trace.as_deref().map(|t| (start, t.from));
+        let mut record = |p: Point, c: Option<Commitment>| {
+            if let (Some(t), Some(c)) = (trace.as_deref_mut(), c) {
+                t.push(i, p, c);
+            }
+        };
         // Attention.
         let h1 = self.norm(&l.attn_norm, &x.data);
         let qx = QuantizedRows::quantize(&h1, rows, cfg.hidden_size, &name("attention input"))?;
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        l.q.forward(gemm, &qx, &mut q)?;
-        l.k.forward(gemm, &qx, &mut k)?;
-        l.v.forward(gemm, &qx, &mut v)?;
+        record(Point::Q, l.q.forward_committed(gemm, &qx, &mut q, first)?);
+        record(Point::K, l.k.forward_committed(gemm, &qx, &mut k, first)?);
+        record(Point::V, l.v.forward_committed(gemm, &qx, &mut v, first)?);
         if let Some(rope) = &self.rope {
             let hd = cfg.head_dim;
             for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
@@ -389,10 +448,14 @@ impl Model {
             head_dim: cfg.head_dim,
             window: cfg.sliding_window,
         };
-        gemm.install(|| attend(shape, cache, &q, start, &mut ctx, i))?;
+        let att = gemm.install(|| {
+            attend_committed(shape, cache, &q, start, &mut ctx, i, first.map(|f| f.1))
+        })?;
+        record(Point::Scores, att.map(|a| a.scores));
+        record(Point::Context, att.map(|a| a.context));
         let qc = QuantizedRows::quantize(&ctx, rows, cfg.q_width(), &name("attention context"))?;
         let mut o = Vec::new();
-        l.o.forward(gemm, &qc, &mut o)?;
+        record(Point::O, l.o.forward_committed(gemm, &qc, &mut o, first)?);
         let mut x = x;
         for (a, b) in x.data.iter_mut().zip(&o) {
             *a += b;
@@ -404,24 +467,33 @@ impl Model {
         match &l.mlp {
             Mlp::Gelu { fc, proj } => {
                 let mut a = Vec::new();
-                fc.forward(gemm, &qh, &mut a)?;
+                record(Point::Fc, fc.forward_committed(gemm, &qh, &mut a, first)?);
                 for v in a.iter_mut() {
                     *v = gelu_tanh(*v);
                 }
                 let qa =
                     QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
-                proj.forward(gemm, &qa, &mut y)?;
+                record(
+                    Point::Down,
+                    proj.forward_committed(gemm, &qa, &mut y, first)?,
+                );
             }
             Mlp::SwiGlu { gate, up, down } => {
                 let (mut g, mut u) = (Vec::new(), Vec::new());
-                gate.forward(gemm, &qh, &mut g)?;
-                up.forward(gemm, &qh, &mut u)?;
+                record(
+                    Point::Gate,
+                    gate.forward_committed(gemm, &qh, &mut g, first)?,
+                );
+                record(Point::Up, up.forward_committed(gemm, &qh, &mut u, first)?);
                 for (a, b) in g.iter_mut().zip(&u) {
                     *a = silu(*a) * b;
                 }
                 let qa =
                     QuantizedRows::quantize(&g, rows, cfg.intermediate_size, &name("mlp hidden"))?;
-                down.forward(gemm, &qa, &mut y)?;
+                record(
+                    Point::Down,
+                    down.forward_committed(gemm, &qa, &mut y, first)?,
+                );
             }
         }
         for (a, b) in x.data.iter_mut().zip(&y) {

@@ -26,9 +26,31 @@ impl Linear {
     /// `out = x · W (+ b)`, row-major `x.rows() × n`; the bias is added in f32 after the single
     /// rounding of the exact product.
     pub fn forward(&self, gemm: &Gemm, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
+        self.forward_committed(gemm, x, out, None).map(|_| ())
+    }
+
+    /// [`Linear::forward`], also committing to the exact accumulators when `commit` gives
+    /// `(first, from)`: the absolute position of the first row, and the first position to
+    /// commit.
+    pub fn forward_committed(
+        &self,
+        gemm: &Gemm,
+        x: &QuantizedRows,
+        out: &mut Vec<f32>,
+        commit: Option<(usize, usize)>,
+    ) -> Result<Option<dc_kernels::Commitment>> {
         out.clear();
         out.resize(x.rows() * self.w.n(), 0.0);
-        gemm.matmul(x, &self.w, out)?;
+        let commitment = match commit {
+            Some((first, from)) => {
+                let acc = gemm.matmul_exact(x, &self.w, out)?;
+                Some(dc_kernels::commit::commit_gemm_from(&acc, first, from))
+            }
+            None => {
+                gemm.matmul(x, &self.w, out)?;
+                None
+            }
+        };
         if let Some(b) = &self.bias {
             for row in out.chunks_exact_mut(b.len()) {
                 for (o, &bb) in row.iter_mut().zip(b) {
@@ -36,7 +58,7 @@ impl Linear {
                 }
             }
         }
-        Ok(())
+        Ok(commitment)
     }
 }
 

@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dc_model::sampling::SamplingParams;
 use dc_model::tokenizer::StreamDecoder;
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, WireSampling};
+use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode, WireSampling};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -51,6 +51,11 @@ pub struct GenerateBody {
     pub ignore_eos: bool,
     /// Prefill chunk size.
     pub chunk: Option<u32>,
+    /// `"all"`: every hop re-run by a second peer before its token is released; `"sample"`
+    /// (default): random audits.
+    pub verify: Option<String>,
+    /// Probability of auditing each remote hop in `"sample"` mode (default: the daemon's).
+    pub audit_rate: Option<f32>,
 }
 
 fn default_max_new_tokens() -> u32 {
@@ -108,6 +113,17 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
         seed: b.seed,
     };
     sampling.validate().map_err(|e| e.to_string())?;
+    let verify = match b.verify.as_deref() {
+        Some("all") => VerifyMode::All,
+        None | Some("sample") => {
+            let rate = b.audit_rate.unwrap_or(node.cfg.audit_rate);
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(format!("audit_rate {rate} must be between 0 and 1"));
+            }
+            VerifyMode::Sampled(rate)
+        }
+        Some(other) => return Err(format!("verify {other:?}: expected \"all\" or \"sample\"")),
+    };
     Ok(GenerationRequest {
         model_id: node.model_id,
         generation: GenerationId::new_random(),
@@ -128,6 +144,7 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
             .chunk
             .unwrap_or(node.cfg.chunk as u32)
             .clamp(1, crate::stage::MAX_HOP_ROWS as u32),
+        verify,
     })
 }
 
@@ -167,6 +184,7 @@ async fn generate(
     };
     let mut decoder = node.tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));
     let tokenizer = node.tokenizer.clone();
+    let mut tokens_so_far: Vec<u32> = Vec::new();
     let stream = async_stream(move |tx| async move {
         let _permit = permit;
         while let Some(ev) = events.recv().await {
@@ -179,8 +197,24 @@ async fn generate(
                     "route": route.iter().map(|h| json!({"peer": h.peer, "layers": h.layers.to_string()})).collect::<Vec<_>>(),
                 }),
                 GenerationEvent::Token { index, id } => {
+                    tokens_so_far.push(id);
                     let text = decoder.as_mut().and_then(|d| d.push(id).ok());
                     json!({"event": "token", "index": index, "id": id, "text": text})
+                }
+                GenerationEvent::Corrected { from, tokens, liar } => {
+                    // Restart the text stream from the corrected sequence.
+                    tokens_so_far.truncate(from as usize);
+                    tokens_so_far.extend_from_slice(&tokens);
+                    decoder = tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));
+                    if let Some(d) = decoder.as_mut() {
+                        for &t in &tokens_so_far {
+                            let _ = d.push(t);
+                        }
+                    }
+                    let text = tokenizer
+                        .as_ref()
+                        .and_then(|t| t.decode(&tokens_so_far, true).ok());
+                    json!({"event": "corrected", "from": from, "tokens": tokens, "liar": liar, "text": text})
                 }
                 GenerationEvent::Done {
                     tokens,

@@ -70,6 +70,8 @@ pub struct NodeConfig {
     pub idle_only: bool,
     /// CPU use by other processes (0 to 1, share of all cores) above which new work pauses.
     pub idle_threshold: f32,
+    /// Probability that a head audits one remote hop (generations may ask for more).
+    pub audit_rate: f32,
 }
 
 impl NodeConfig {
@@ -105,6 +107,7 @@ impl NodeConfig {
             selftest: true,
             idle_only: false,
             idle_threshold: 0.5,
+            audit_rate: 0.1,
         }
     }
 }

@@ -1,25 +1,35 @@
-//! Heading a generation: electing the head, choosing the route, running prefill and one token
-//! per lap through the stages (local ones in this process, remote ones over the network),
-//! checking every stage's signed record, sampling, and streaming the tokens back.
+//! Heading a generation: choosing the route, running prefill and one token per lap through the
+//! stages (local ones in this process, remote ones over the network), checking every stage's
+//! signed record and trace, auditing hops (or, with `VerifyMode::All`, running every hop twice),
+//! sampling, streaming the tokens back — and, when a stage is proven to have lied, recomputing
+//! the generation without it and telling the client which tokens changed.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
 use dc_model::sampling::SamplingParams;
 use dc_model::Activations;
 use dc_types::{
-    GenerationEvent, GenerationId, GenerationRequest, HopRequest, HopResponse, RouteHop,
-    StageRequest, StageResponse,
+    FraudProof, GenerationEvent, GenerationId, GenerationRequest, HopRecord, HopRequest,
+    HopResponse, HopTrace, ProofKind, RouteHop, Signed, StageRequest, StageResponse, VerifyMode,
 };
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use crate::audit::{accept_proof, audit, pick_auditor, referee, should_audit, StageLog};
 use crate::node::Node;
 use crate::stage::{from_wire, serve_hop, to_wire};
+use crate::verify::{check_consistency, swiglu};
 use crate::view::plan_route;
 
 /// Most events queued towards a slow client before the head waits for it.
 pub const EVENT_QUEUE: usize = 64;
+/// How long the end of a generation waits for its pending audits.
+const AUDIT_WAIT: Duration = Duration::from_secs(120);
+/// Recomputations after proven lies before giving up.
+const MAX_ATTEMPTS: usize = 4;
 
 fn sampling(req: &GenerationRequest) -> SamplingParams {
     SamplingParams {
@@ -30,99 +40,245 @@ fn sampling(req: &GenerationRequest) -> SamplingParams {
     }
 }
 
-/// Runs one hop: locally when the route says this daemon, else over the network, checking the
-/// stage's signed record against what we sent and what came back.
-async fn hop(
+/// Why an attempt stopped.
+enum Stop {
+    /// A stage was proven to lie: recompute without it.
+    Liar(String),
+    /// Anything else ends the generation.
+    Failed(String),
+}
+
+impl From<String> for Stop {
+    fn from(s: String) -> Stop {
+        Stop::Failed(s)
+    }
+}
+
+/// A stage's answer to one hop, checked.
+struct HopResult {
+    output: Activations,
+    record: Signed<HopRecord>,
+    trace: HopTrace,
+}
+
+/// Runs one hop on `peer` (ourselves or remote) and checks the answer: signature, fields, input
+/// and output commitments, and the trace against the record. A record that contradicts its own
+/// trace is a proof by itself: the peer is excluded on the spot.
+async fn hop_on(
     node: &Arc<Node>,
-    h: &RouteHop,
+    peer: &str,
+    layers: dc_types::LayerRange,
     g: GenerationId,
     step: u64,
-    x: Activations,
-) -> Result<Activations, String> {
+    x: &Activations,
+) -> Result<HopResult, Stop> {
     let req = HopRequest {
         model_id: node.model_id,
         generation: g,
         step,
-        layers: h.layers,
-        activations: to_wire(&x),
+        layers,
+        activations: to_wire(x),
     };
-    let resp = if h.peer == node.local {
+    let resp = if peer == node.local {
         serve_hop(node.clone(), req).await
     } else {
-        let peer: libp2p::PeerId = h
-            .peer
+        let p: libp2p::PeerId = peer
             .parse()
-            .map_err(|e| format!("route peer {}: {e}", h.peer))?;
-        match node
-            .client
-            .stage_request(peer, StageRequest::Hop(req))
-            .await
-        {
+            .map_err(|e| format!("route peer {peer}: {e}"))?;
+        match node.client.stage_request(p, StageRequest::Hop(req)).await {
             Ok(StageResponse::Hop(r)) => *r,
-            Ok(StageResponse::Ack) => {
-                return Err(format!("peer {} answered a hop with an ack", h.peer))
+            Ok(_) => {
+                return Err(Stop::Failed(format!(
+                    "peer {peer} answered a hop with something else"
+                )))
             }
             Err(e) => {
-                return Err(format!(
-                    "hop to {} (layers {}) failed: {e}",
-                    h.peer, h.layers
-                ))
+                return Err(Stop::Failed(format!(
+                    "hop to {peer} (layers {layers}) failed: {e}"
+                )))
             }
         }
     };
-    match resp {
+    let (activations, record, trace) = match resp {
         HopResponse::Done {
             activations,
             record,
-        } => {
-            let signer = dc_net::signing::verify("hop", &record)
-                .map_err(|e| format!("peer {}: bad hop record: {e}", h.peer))?;
-            if signer.to_string() != h.peer {
-                return Err(format!("peer {} sent a record signed by {signer}", h.peer));
-            }
-            let y = from_wire(
-                activations,
-                node.model_cfg.hidden_size,
-                node.model_cfg.max_positions,
-            )
-            .map_err(|e| format!("peer {}: {e}", h.peer))?;
-            let r = &record.body;
-            if r.generation != g || r.step != step || r.layers != h.layers {
-                return Err(format!("peer {}: the record is for another hop", h.peer));
-            }
-            if r.input != x.commitment() {
-                return Err(format!(
-                    "peer {}: the record commits to other input activations",
-                    h.peer
-                ));
-            }
-            if r.output != y.commitment() || y.start != x.start || y.rows() != x.rows() {
-                return Err(format!(
-                    "peer {}: the activations do not match its record",
-                    h.peer
-                ));
-            }
-            Ok(y)
+            trace,
+        } => (activations, record, trace),
+        HopResponse::Refused { kind, message } => {
+            return Err(Stop::Failed(format!(
+                "peer {peer} refused layers {layers}: {kind:?}: {message}"
+            )))
         }
-        HopResponse::Refused { kind, message } => Err(format!(
-            "peer {} refused layers {}: {kind:?}: {message}",
-            h.peer, h.layers
-        )),
+    };
+    let signer = dc_net::signing::verify("hop", &record)
+        .map_err(|e| format!("peer {peer}: bad hop record: {e}"))?;
+    if signer.to_string() != peer {
+        return Err(Stop::Failed(format!(
+            "peer {peer} sent a record signed by {signer}"
+        )));
     }
+    let y = from_wire(
+        activations,
+        node.model_cfg.hidden_size,
+        node.model_cfg.max_positions,
+    )
+    .map_err(|e| format!("peer {peer}: {e}"))?;
+    let r = &record.body;
+    if r.generation != g || r.step != step || r.layers != layers {
+        return Err(Stop::Failed(format!(
+            "peer {peer}: the record is for another hop"
+        )));
+    }
+    if r.input != x.commitment() {
+        return Err(Stop::Failed(format!(
+            "peer {peer}: the record commits to other input activations"
+        )));
+    }
+    if r.output != y.commitment() || y.start != x.start || y.rows() != x.rows() {
+        return Err(Stop::Failed(format!(
+            "peer {peer}: the activations do not match its record"
+        )));
+    }
+    if let Err(e) = check_consistency(r, &trace, swiglu(&node.model_cfg)) {
+        let proof = FraudProof {
+            model_id: node.model_id,
+            accused: peer.to_string(),
+            kind: ProofKind::Inconsistent,
+            records: vec![record.clone()],
+            traces: vec![trace.clone()],
+            layer_inputs: Vec::new(),
+        };
+        warn!("peer {peer} signed a record that contradicts its trace: {e}");
+        if accept_proof(node.clone(), proof, true).await {
+            return Err(Stop::Liar(peer.to_string()));
+        }
+        return Err(Stop::Failed(format!("peer {peer}: {e}")));
+    }
+    Ok(HopResult {
+        output: y,
+        record,
+        trace,
+    })
 }
 
-/// Runs every stage of the route over `x`.
-async fn lap(
-    node: &Arc<Node>,
-    route: &[RouteHop],
-    g: GenerationId,
-    step: u64,
-    mut x: Activations,
-) -> Result<Activations, String> {
-    for h in route {
-        x = hop(node, h, g, step, x).await?;
+/// The generation id a second peer uses for the same work (its own caches).
+fn shadow_id(g: &GenerationId) -> GenerationId {
+    let h = blake3::hash(&[&g.0[..], b"shadow"].concat());
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.as_bytes()[..16]);
+    GenerationId(out)
+}
+
+/// The generation id of attempt `n` (fresh caches at every stage after a recomputation).
+fn attempt_id(g: &GenerationId, n: usize) -> GenerationId {
+    if n == 0 {
+        return *g;
     }
-    Ok(x)
+    let h = blake3::hash(&[&g.0[..], b"attempt", &(n as u64).to_le_bytes()].concat());
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.as_bytes()[..16]);
+    GenerationId(out)
+}
+
+/// One attempt's state: the route, the second peers (verify all), what was logged per stage,
+/// and the audits running.
+struct Attempt {
+    g: GenerationId,
+    route: Vec<RouteHop>,
+    shadows: Option<Vec<String>>,
+    logs: Vec<StageLog>,
+    shadow_logs: Vec<StageLog>,
+    audits: Vec<JoinHandle<bool>>,
+    rate: f32,
+}
+
+impl Attempt {
+    /// Runs every stage of the route over `x`.
+    async fn lap(
+        &mut self,
+        node: &Arc<Node>,
+        step: u64,
+        mut x: Activations,
+    ) -> Result<Activations, Stop> {
+        for i in 0..self.route.len() {
+            let h = self.route[i].clone();
+            let remote = h.peer != node.local;
+            self.logs[i].inputs.push(x.clone());
+            if let Some(shadows) = &self.shadows {
+                let shadow = shadows[i].clone();
+                self.shadow_logs[i].inputs.push(x.clone());
+                let (a, b) = tokio::join!(
+                    hop_on(node, &h.peer, h.layers, self.g, step, &x),
+                    hop_on(node, &shadow, h.layers, shadow_id(&self.g), step, &x)
+                );
+                let (a, b) = (a?, b?);
+                self.logs[i].records.push(a.record);
+                self.logs[i].traces.push(a.trace.clone());
+                self.shadow_logs[i].records.push(b.record);
+                self.shadow_logs[i].traces.push(b.trace.clone());
+                if a.trace.entries == b.trace.entries && a.output == b.output {
+                    x = a.output;
+                    continue;
+                }
+                // They disagree: referee both from our own copy of the weights.
+                warn!(
+                    "{} and {shadow} disagree on layers {} at step {step}: refereeing",
+                    h.peer, h.layers
+                );
+                if referee(node.clone(), &h.peer, h.layers, &self.logs[i]).await {
+                    return Err(Stop::Liar(h.peer.clone()));
+                }
+                if referee(node.clone(), &shadow, h.layers, &self.shadow_logs[i]).await {
+                    return Err(Stop::Liar(shadow));
+                }
+                return Err(Stop::Failed(format!(
+                    "{} and {shadow} disagree and the referee could not decide",
+                    h.peer
+                )));
+            }
+            let r = hop_on(node, &h.peer, h.layers, self.g, step, &x).await?;
+            self.logs[i].records.push(r.record);
+            self.logs[i].traces.push(r.trace);
+            if remote && should_audit(node, &self.g, step, i, self.rate) {
+                let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
+                self.audits.push(tokio::spawn(audit(node2, seg, log)));
+            }
+            x = r.output;
+        }
+        // A liar proven by a finished audit: recompute without it.
+        if let Some(l) = self.route.iter().find(|h| node.is_excluded(&h.peer)) {
+            return Err(Stop::Liar(l.peer.clone()));
+        }
+        Ok(x)
+    }
+
+    /// Tells every stage the attempt is over (caches freed; they also expire when idle).
+    fn end(&self, node: &Arc<Node>) {
+        let mut peers: Vec<(String, GenerationId)> = self
+            .route
+            .iter()
+            .map(|h| (h.peer.clone(), self.g))
+            .collect();
+        if let Some(s) = &self.shadows {
+            peers.extend(s.iter().map(|p| (p.clone(), shadow_id(&self.g))));
+        }
+        for (peer, g) in peers {
+            if peer == node.local {
+                node.caches
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .end(&g);
+            } else if let Ok(p) = peer.parse() {
+                let client = node.client.clone();
+                tokio::spawn(async move {
+                    let _ = client
+                        .stage_request(p, StageRequest::End { generation: g })
+                        .await;
+                });
+            }
+        }
+    }
 }
 
 /// Embeds `tokens` at `start` (head weights, compute pool).
@@ -152,68 +308,11 @@ async fn readout(node: &Arc<Node>, x: Activations) -> Result<Vec<f32>, String> {
     .map_err(|e| e.to_string())?
 }
 
-/// Heads `req`: streams [`GenerationEvent`]s into `tx` until `Done` or `Failed`.
-pub async fn run_as_head(
-    node: Arc<Node>,
-    req: GenerationRequest,
-    tx: mpsc::Sender<GenerationEvent>,
-) {
-    let g = req.generation;
-    let route = match plan(&node, &req) {
-        Ok(r) => r,
-        Err(message) => {
-            let _ = tx.send(GenerationEvent::Failed { message }).await;
-            return;
-        }
-    };
-    node.stats
-        .active_heads
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    info!(
-        "heading generation {g}: route {}",
-        route
-            .iter()
-            .map(|h| format!("{}@{}", h.layers, &h.peer[h.peer.len().saturating_sub(6)..]))
-            .collect::<Vec<_>>()
-            .join(" → ")
-    );
-    let _ = tx
-        .send(GenerationEvent::Started {
-            head: node.local.clone(),
-            route: route.clone(),
-        })
-        .await;
-    let result = drive(&node, &req, &route, &tx).await;
-    node.stats
-        .active_heads
-        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    // Free every stage's cache; remote ends are best effort (caches also expire when idle).
-    for h in &route {
-        if h.peer == node.local {
-            node.caches
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .end(&g);
-        } else if let Ok(peer) = h.peer.parse() {
-            let client = node.client.clone();
-            tokio::spawn(async move {
-                let _ = client
-                    .stage_request(peer, StageRequest::End { generation: g })
-                    .await;
-            });
-        }
-    }
-    let ev = match result {
-        Ok(ev) => ev,
-        Err(message) => {
-            warn!("generation {g} failed: {message}");
-            GenerationEvent::Failed { message }
-        }
-    };
-    let _ = tx.send(ev).await;
-}
-
-fn plan(node: &Arc<Node>, req: &GenerationRequest) -> Result<Vec<RouteHop>, String> {
+fn plan(
+    node: &Arc<Node>,
+    req: &GenerationRequest,
+    g: &GenerationId,
+) -> Result<(Vec<RouteHop>, Option<Vec<String>>), String> {
     if req.model_id != node.model_id {
         return Err(format!(
             "this daemon serves model {}, not {}",
@@ -224,21 +323,130 @@ fn plan(node: &Arc<Node>, req: &GenerationRequest) -> Result<Vec<RouteHop>, Stri
     if !serving.head {
         return Err("this daemon does not hold the head weights".into());
     }
-    plan_route(
-        &req.generation,
+    let route = plan_route(
+        g,
         node.model_cfg.num_layers as u32,
         &node.local,
         &node.participants(),
-    )
+    )?;
+    let shadows = match req.verify {
+        VerifyMode::All => Some(
+            route
+                .iter()
+                .map(|h| {
+                    pick_auditor(node, h.layers, &h.peer, &g.0).ok_or_else(|| {
+                        format!(
+                            "--verify all needs a second peer serving layers {} (only {} does)",
+                            h.layers, h.peer
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        VerifyMode::Sampled(_) => None,
+    };
+    Ok((route, shadows))
+}
+
+/// Heads `req`: streams [`GenerationEvent`]s into `tx` until `Done` or `Failed`.
+pub async fn run_as_head(
+    node: Arc<Node>,
+    req: GenerationRequest,
+    tx: mpsc::Sender<GenerationEvent>,
+) {
+    node.stats
+        .active_heads
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let result = drive(&node, &req, &tx).await;
+    node.stats
+        .active_heads
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    let ev = match result {
+        Ok(ev) => ev,
+        Err(message) => {
+            warn!("generation {} failed: {message}", req.generation);
+            GenerationEvent::Failed { message }
+        }
+    };
+    let _ = tx.send(ev).await;
 }
 
 async fn drive(
     node: &Arc<Node>,
     req: &GenerationRequest,
-    route: &[RouteHop],
     tx: &mpsc::Sender<GenerationEvent>,
 ) -> Result<GenerationEvent, String> {
-    let g = req.generation;
+    let mut delivered: Vec<u32> = Vec::new();
+    for n in 0..MAX_ATTEMPTS {
+        let g = attempt_id(&req.generation, n);
+        let (route, shadows) = plan(node, req, &g)?;
+        info!(
+            "heading generation {g}: route {}",
+            route
+                .iter()
+                .map(|h| format!("{}@{}", h.layers, &h.peer[h.peer.len().saturating_sub(6)..]))
+                .collect::<Vec<_>>()
+                .join(" → ")
+        );
+        let _ = tx
+            .send(GenerationEvent::Started {
+                head: node.local.clone(),
+                route: route.clone(),
+            })
+            .await;
+        let rate = match req.verify {
+            VerifyMode::Sampled(r) => r.clamp(0.0, 1.0),
+            VerifyMode::All => 0.0,
+        };
+        let mut at = Attempt {
+            g,
+            logs: vec![StageLog::default(); route.len()],
+            shadow_logs: vec![StageLog::default(); route.len()],
+            route,
+            shadows,
+            audits: Vec::new(),
+            rate,
+        };
+        let outcome = attempt(node, req, &mut at, tx, &mut delivered).await;
+        // Wait for this attempt's audits: a lie they prove still changes what the client gets.
+        let pending = std::mem::take(&mut at.audits);
+        let proven = tokio::time::timeout(AUDIT_WAIT, futures::future::join_all(pending)).await;
+        at.end(node);
+        let liar = match (&outcome, proven) {
+            (Err(Stop::Liar(l)), _) => Some(l.clone()),
+            (_, Ok(results)) if results.iter().any(|r| matches!(r, Ok(true))) => at
+                .route
+                .iter()
+                .find(|h| node.is_excluded(&h.peer))
+                .map(|h| h.peer.clone()),
+            _ => None,
+        };
+        match (outcome, liar) {
+            (_, Some(l)) => {
+                warn!(
+                    "generation {}: {l} was proven to lie; recomputing without it",
+                    req.generation
+                );
+                continue;
+            }
+            (Ok(ev), None) => return Ok(ev),
+            (Err(Stop::Failed(m)), None) | (Err(Stop::Liar(m)), None) => return Err(m),
+        }
+    }
+    Err(format!(
+        "gave up after {MAX_ATTEMPTS} recomputations: too many liars"
+    ))
+}
+
+/// One pass over the generation. Tokens already delivered by an earlier attempt are recomputed
+/// silently; if the new ones differ, one `Corrected` event carries them.
+async fn attempt(
+    node: &Arc<Node>,
+    req: &GenerationRequest,
+    at: &mut Attempt,
+    tx: &mpsc::Sender<GenerationEvent>,
+    delivered: &mut Vec<u32>,
+) -> Result<GenerationEvent, Stop> {
     let greq = GenerateRequest {
         prompt: req.prompt.clone(),
         max_new_tokens: req.max_new_tokens as usize,
@@ -247,12 +455,13 @@ async fn drive(
         chunk: req.chunk.max(1) as usize,
     };
     let mut tl = TokenLoop::new(&greq, node.model_cfg.max_positions).map_err(|e| e.to_string())?;
+    let replay = delivered.len();
     let mut step = 0u64;
     let mut logits = Vec::new();
     let mut pos = 0usize;
     for chunk in greq.prompt.chunks(greq.chunk) {
         let x = embed(node, chunk.to_vec(), pos).await?;
-        let y = lap(node, route, g, step, x).await?;
+        let y = at.lap(node, step, x).await?;
         step += 1;
         pos += chunk.len();
         logits = readout(node, y).await?;
@@ -264,24 +473,32 @@ async fn drive(
             Next::Last(t, why) => (Some(t), Some(why)),
             Next::Done(why) => (None, Some(why)),
         };
+        let produced = tl.tokens.len();
         if let Some(t) = t {
-            node.stats
-                .tokens
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let ev = GenerationEvent::Token {
-                index: tl.tokens.len() as u32 - 1,
-                id: t,
-            };
-            if tx.send(ev).await.is_err() {
-                return Err("the client went away".into());
+            if produced > replay {
+                node.stats
+                    .tokens
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                delivered.push(t);
+                let ev = GenerationEvent::Token {
+                    index: produced as u32 - 1,
+                    id: t,
+                };
+                if tx.send(ev).await.is_err() {
+                    return Err(Stop::Failed("the client went away".into()));
+                }
             }
+        }
+        // The recomputation has caught up with what the client holds: say what changed.
+        if produced == replay || (done.is_some() && produced < replay) {
+            correct(node, tx, delivered, &tl.tokens).await?;
         }
         if let Some(why) = done {
             break why;
         }
         let t = tl.tokens[tl.tokens.len() - 1];
         let x = embed(node, vec![t], pos).await?;
-        let y = lap(node, route, g, step, x).await?;
+        let y = at.lap(node, step, x).await?;
         step += 1;
         pos += 1;
         logits = readout(node, y).await?;
@@ -295,4 +512,41 @@ async fn drive(
         stop,
         final_logits: logits_commitment(pos.saturating_sub(1), &logits),
     })
+}
+
+/// Compares the recomputed tokens with what the client holds and sends the correction.
+async fn correct(
+    node: &Arc<Node>,
+    tx: &mpsc::Sender<GenerationEvent>,
+    delivered: &mut Vec<u32>,
+    new: &[u32],
+) -> Result<(), Stop> {
+    let first = delivered
+        .iter()
+        .zip(new)
+        .position(|(a, b)| a != b)
+        .or((delivered.len() != new.len()).then_some(delivered.len().min(new.len())));
+    let Some(from) = first else { return Ok(()) };
+    let liar = node
+        .audits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .status()
+        .1
+        .as_array()
+        .and_then(|a| a.last())
+        .and_then(|v| v["peer_id"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    node.stats
+        .corrections
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let ev = GenerationEvent::Corrected {
+        from: from as u32,
+        tokens: new[from..].to_vec(),
+        liar,
+    };
+    *delivered = new.to_vec();
+    tx.send(ev)
+        .await
+        .map_err(|_| Stop::Failed("the client went away".into()))
 }

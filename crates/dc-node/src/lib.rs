@@ -6,7 +6,10 @@
 #![deny(missing_docs)]
 
 pub mod api;
+pub mod audit;
 pub mod config;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod head;
 pub mod idle;
 pub mod memory;
@@ -15,6 +18,7 @@ pub mod node;
 pub mod openai;
 pub mod stage;
 pub mod status;
+pub mod verify;
 pub mod view;
 
 pub use config::{LayerChoice, NodeConfig};

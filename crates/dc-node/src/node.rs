@@ -12,8 +12,8 @@ use dc_model::tokenizer::{load_for_model, ChatTemplate, SpecialTokens, Tokenizer
 use dc_model::{LoadOptions, Model, ModelConfig};
 use dc_net::{Client, NetConfig, NetEvent};
 use dc_types::{
-    Announcement, GenerationEvent, GenerationRequest, LayerRange, ModelId, PeerState, StageRequest,
-    StageResponse, PROTOCOL_VERSION,
+    Announcement, GenerationEvent, GenerationRequest, Gossip, LayerRange, ModelId, PeerState,
+    StageRequest, StageResponse, PROTOCOL_VERSION,
 };
 use futures::StreamExt;
 use libp2p::identity::Keypair;
@@ -36,7 +36,7 @@ const MAX_ANNOUNCEMENT: usize = 64 << 10;
 #[derive(Debug)]
 pub struct Serving {
     /// The loaded layers (and head weights, if held).
-    pub model: Model,
+    pub model: Arc<Model>,
     /// Layers served.
     pub layers: LayerRange,
     /// Whether the head weights are loaded.
@@ -56,6 +56,10 @@ pub struct Stats {
     pub active_heads: AtomicU32,
     /// Generations started through the control API.
     pub requests: AtomicU64,
+    /// Peers this daemon excluded on a proof.
+    pub exclusions: AtomicU64,
+    /// Tokens corrected after a liar was found.
+    pub corrections: AtomicU64,
 }
 
 /// A running daemon.
@@ -102,6 +106,13 @@ pub struct Node {
     throughput: Mutex<f32>,
     /// Where the control API listens (once bound).
     pub api_addr: Mutex<Option<std::net::SocketAddr>>,
+    /// Audits run, outcomes, proven liars and their proofs.
+    pub audits: Mutex<crate::audit::AuditBook>,
+    /// Layers loaded on demand to referee disputes and check proofs.
+    pub referee: tokio::sync::Mutex<Option<(LayerRange, Arc<Model>)>>,
+    /// Secret of the head's audit coin (never leaves this process).
+    pub audit_secret: [u8; 32],
+    fetching: Mutex<HashSet<dc_kernels::Commitment>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -175,6 +186,24 @@ impl Node {
         }
     }
 
+    /// Whether `peer` was proven to lie.
+    pub fn is_excluded(&self, peer: &str) -> bool {
+        self.audits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_excluded(peer)
+    }
+
+    /// Publishes a gossip message.
+    pub async fn gossip(&self, g: &Gossip) {
+        match dc_types::encode(g, MAX_ANNOUNCEMENT) {
+            Ok(bytes) => {
+                let _ = self.client.publish(bytes).await;
+            }
+            Err(e) => warn!("cannot encode a gossip message: {e}"),
+        }
+    }
+
     /// Ourselves plus every healthy serving peer, as planning sees them.
     pub fn participants(&self) -> Vec<Participant> {
         let mut ps = self
@@ -182,6 +211,7 @@ impl Node {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .serving();
+        ps.retain(|p| !self.is_excluded(&p.peer));
         if let (Some(s), PeerState::Serving) = (self.serving(), self.state()) {
             ps.push(Participant {
                 peer: self.local.clone(),
@@ -223,24 +253,67 @@ impl Node {
 
     /// Publishes our announcement now.
     pub async fn announce(&self) {
-        match dc_types::encode(&self.announcement(), MAX_ANNOUNCEMENT) {
-            Ok(bytes) => {
-                let _ = self.client.publish(bytes).await;
-            }
-            Err(e) => warn!("cannot encode our announcement: {e}"),
+        self.gossip(&Gossip::Announcement(self.announcement()))
+            .await;
+    }
+
+    fn on_gossip(self: &Arc<Self>, from: &str, data: &[u8]) {
+        match dc_types::decode::<Gossip>(data, MAX_ANNOUNCEMENT) {
+            Ok(Gossip::Announcement(a)) => self.on_announcement(from, a),
+            Ok(Gossip::Proof { id, accused }) => self.on_proof_announced(from, id, accused),
+            Err(e) => self.log_once(format!("bad:{from}"), || {
+                format!("ignoring peer {from}: malformed gossip: {e}")
+            }),
         }
     }
 
-    fn on_announcement(&self, from: &str, data: &[u8]) {
-        let ann: Announcement = match dc_types::decode(data, MAX_ANNOUNCEMENT) {
-            Ok(a) => a,
-            Err(e) => {
-                self.log_once(format!("bad:{from}"), || {
-                    format!("ignoring peer {from}: malformed announcement: {e}")
-                });
-                return;
-            }
+    /// A peer says it holds a proof: fetch it, check it ourselves, exclude if it holds.
+    fn on_proof_announced(
+        self: &Arc<Self>,
+        from: &str,
+        id: dc_kernels::Commitment,
+        accused: String,
+    ) {
+        if self.is_excluded(&accused) || accused == self.local {
+            return;
+        }
+        if !self
+            .fetching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id)
+        {
+            return;
+        }
+        let Ok(peer) = from.parse::<libp2p::PeerId>() else {
+            return;
         };
+        let (node, from) = (self.clone(), from.to_string());
+        tokio::spawn(async move {
+            let got = node
+                .client
+                .stage_request(peer, StageRequest::GetProof { id })
+                .await;
+            let ok = match got {
+                Ok(StageResponse::Proof(p)) => match *p {
+                    Some(p) if crate::verify::proof_id(&p) == id && p.accused == accused => {
+                        crate::audit::accept_proof(node.clone(), p, true).await
+                    }
+                    _ => false,
+                },
+                _ => false,
+            };
+            if !ok {
+                info!("ignoring {from}'s claim against {accused}: no valid proof");
+            }
+            node.fetching
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+        });
+    }
+
+    fn on_announcement(&self, from: &str, ann: Announcement) {
         for a in &ann.listen_addrs {
             if let (Ok(addr), Ok(peer)) = (a.parse::<Multiaddr>(), from.parse()) {
                 let client = self.client.clone();
@@ -279,7 +352,7 @@ async fn load(path: std::path::PathBuf, layers: LayerRange, head: bool) -> Resul
         )
         .map_err(|e| format!("loading layers {layers}: {e}"))?;
         Ok(Serving {
-            model,
+            model: Arc::new(model),
             layers,
             head,
         })
@@ -402,6 +475,10 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         listen_addrs: Mutex::new(Vec::new()),
         throughput: Mutex::new(0.0),
         api_addr: Mutex::new(None),
+        audits: Mutex::new(crate::audit::AuditBook::default()),
+        referee: tokio::sync::Mutex::new(None),
+        audit_secret: crate::audit::new_secret(local.to_bytes().as_slice()),
+        fetching: Mutex::new(HashSet::new()),
         cfg,
     });
     println!("peer id {local}");
@@ -567,7 +644,7 @@ fn choose_auto(node: &Arc<Node>) -> Result<LayerRange, String> {
 
 async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
     match ev {
-        NetEvent::Gossip { from, data } => node.on_announcement(&from.to_string(), &data),
+        NetEvent::Gossip { from, data } => node.on_gossip(&from.to_string(), &data),
         NetEvent::StageRequest {
             from,
             request,
@@ -586,6 +663,15 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
                             .end(&generation);
                         StageResponse::Ack
                     }
+                    StageRequest::Audit(a) => {
+                        StageResponse::Audit(crate::stage::serve_audit(node.clone(), a).await)
+                    }
+                    StageRequest::GetProof { id } => StageResponse::Proof(Box::new(
+                        node.audits
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .proof(&id),
+                    )),
                 };
                 if node.client.respond_stage(channel, response).await.is_err() {
                     warn!("could not answer {from}: the network loop stopped");

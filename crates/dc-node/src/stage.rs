@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use dc_model::{Activations, KvCache};
 use dc_types::{
-    GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, LayerRange, PeerState,
-    WireActivations,
+    AuditRequest, GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, HopTrace,
+    LayerRange, PeerState, WireActivations,
 };
 
 use crate::node::Node;
@@ -260,9 +260,17 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
         return refuse(HopErrorKind::Internal, "shutting down");
     };
     let (n2, s2) = (node.clone(), serving.clone());
+    let (generation, step) = (req.generation, req.step);
     let result = tokio::task::spawn_blocking(move || {
-        let out = s2.model.run_layers(&n2.gemm, x, &mut cache);
-        (out, cache)
+        let mut trace = HopTrace::from_position(x.start);
+        #[cfg(feature = "fault-injection")]
+        let out = crate::fault::run(&n2, &s2.model, x, &mut cache, &mut trace, generation, step);
+        #[cfg(not(feature = "fault-injection"))]
+        let out = s2
+            .model
+            .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut trace));
+        let _ = (generation, step);
+        (out.map(|y| (y, trace)), cache)
     })
     .await;
     let (out, cache) = match result {
@@ -276,7 +284,7 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
         }
     };
     match out {
-        Ok(y) => {
+        Ok((y, trace)) => {
             node.caches
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -293,12 +301,13 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
                 layers: req.layers,
                 input,
                 output: y.commitment(),
-                gemms: Default::default(),
+                gemms: trace.root(),
             };
             match dc_net::signing::sign(&node.keypair, "hop", record) {
                 Ok(record) => HopResponse::Done {
                     activations: to_wire(&y),
                     record,
+                    trace,
                 },
                 Err(e) => refuse(HopErrorKind::Internal, format!("signing: {e}")),
             }
@@ -311,4 +320,68 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
             refuse(HopErrorKind::BadActivations, e.to_string())
         }
     }
+}
+
+/// Audits another stage's hop: replays every input of the generation through `layers` with
+/// fresh caches, in the same hops, and returns the trace of the audited (last) hop.
+pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace, String> {
+    if req.model_id != node.model_id {
+        return Err(format!(
+            "this daemon serves model {}, not {}",
+            node.model_id, req.model_id
+        ));
+    }
+    let serving = node.serving().ok_or("still loading")?;
+    if !serving.layers.covers(&req.layers) {
+        return Err(format!(
+            "this daemon serves layers {}, not {}",
+            serving.layers, req.layers
+        ));
+    }
+    let cfg = node.model_cfg.clone();
+    let mut hops = Vec::with_capacity(req.hops.len());
+    let mut next = 0usize;
+    for (k, w) in req.hops.into_iter().enumerate() {
+        let x = from_wire(w, cfg.hidden_size, cfg.max_positions)
+            .map_err(|e| format!("hop {k}: {e}"))?;
+        if x.start != next || x.rows() > MAX_HOP_ROWS {
+            return Err(format!("hop {k} does not continue at position {next}"));
+        }
+        next = x.start + x.rows();
+        hops.push(x);
+    }
+    match hops.last() {
+        Some(l) if l.start == req.from as usize => {}
+        _ => return Err("the audited hop must be the last".into()),
+    }
+    let _permit = node
+        .compute
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| "shutting down")?;
+    let n2 = node.clone();
+    let layers = req.layers;
+    tokio::task::spawn_blocking(move || {
+        let mut cache = KvCache::new(&cfg, layers.as_range());
+        let last = hops.len() - 1;
+        for (k, x) in hops.into_iter().enumerate() {
+            if k < last {
+                serving
+                    .model
+                    .run_layers(&n2.gemm, x, &mut cache)
+                    .map_err(|e| e.to_string())?;
+            } else {
+                let mut t = HopTrace::from_position(x.start);
+                serving
+                    .model
+                    .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut t))
+                    .map_err(|e| e.to_string())?;
+                return Ok(t);
+            }
+        }
+        Err("no hops".into())
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }

@@ -33,6 +33,11 @@ pub fn status(node: &Node) -> Value {
         .collect();
     drop(view);
     let n = node.model_cfg.num_layers as u32;
+    let (audits, excluded) = node
+        .audits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .status();
     let cov = coverage(n, &node.participants());
     json!({
         "peer_id": node.local,
@@ -64,6 +69,9 @@ pub fn status(node: &Node) -> Value {
         "positions_served": node.stats.positions.load(Ordering::Relaxed),
         "tokens_generated": node.stats.tokens.load(Ordering::Relaxed),
         "coverage": cov,
+        "audits": audits,
+        "excluded_peers": excluded,
+        "corrections": node.stats.corrections.load(Ordering::Relaxed),
         "peers": peers,
     })
 }

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{GenerationId, LayerRange, ModelId};
+use crate::trace::HopTrace;
 use crate::Commitment;
 
 /// What a daemon is doing.
@@ -135,12 +136,14 @@ pub enum HopErrorKind {
 /// A stage's answer to a hop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum HopResponse {
-    /// The output activations and the signed record.
+    /// The output activations, the signed record, and the trace whose root the record signs.
     Done {
         /// Output activations.
         activations: WireActivations,
         /// What the stage commits to.
         record: Signed<HopRecord>,
+        /// The commitments of every product, in order (their root is `record.gemms`).
+        trace: HopTrace,
     },
     /// Refused, with a reason.
     Refused {
@@ -161,6 +164,27 @@ pub enum StageRequest {
         /// The generation.
         generation: GenerationId,
     },
+    /// Re-run layers over a whole input history (fresh caches) and return the trace of the
+    /// positions from `from` on: an audit of another stage's hop.
+    Audit(AuditRequest),
+    /// Send the full fraud proof with this id (announced by gossip).
+    GetProof {
+        /// The proof's id.
+        id: Commitment,
+    },
+}
+
+/// An audit: every input the audited stage received for this generation, in its hops.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AuditRequest {
+    /// The model.
+    pub model_id: ModelId,
+    /// The layers to run.
+    pub layers: LayerRange,
+    /// The audited hop's first position.
+    pub from: u32,
+    /// Each hop's input, in order (positions 0, 1, … contiguous), ending with the audited hop.
+    pub hops: Vec<WireActivations>,
 }
 
 /// A stage's answer to a [`StageRequest`].
@@ -170,6 +194,67 @@ pub enum StageResponse {
     Hop(Box<HopResponse>),
     /// Acknowledged.
     Ack,
+    /// The auditor's trace of the audited positions, or why it could not run them.
+    Audit(Result<HopTrace, String>),
+    /// The requested proof, if this peer has it.
+    Proof(Box<Option<FraudProof>>),
+}
+
+/// What makes a fraud proof.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ProofKind {
+    /// The accused's signed record contradicts its own trace (or the trace is malformed):
+    /// checkable without any weights.
+    Inconsistent,
+    /// Re-running one layer from inputs the accused committed to gives commitments other than
+    /// the ones it signed.
+    Recompute {
+        /// The layer to re-run.
+        layer: u32,
+    },
+}
+
+/// Self-contained evidence that a peer signed a wrong statement. Anyone with the model's
+/// weights checks it by re-running at most one layer; nobody is excluded on less.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FraudProof {
+    /// The model.
+    pub model_id: ModelId,
+    /// The accused (base58 peer id); every record must be signed by it.
+    pub accused: String,
+    /// What kind of proof.
+    pub kind: ProofKind,
+    /// The accused's signed records for one generation and layer range, steps in order from
+    /// the first; the last one is disputed.
+    pub records: Vec<Signed<HopRecord>>,
+    /// The traces those records sign (same order).
+    pub traces: Vec<HopTrace>,
+    /// For `Recompute`: the activations entering the disputed layer in each of those hops,
+    /// each equal to what the accused committed for it.
+    pub layer_inputs: Vec<WireActivations>,
+}
+
+/// Messages on the gossip topic.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Gossip {
+    /// A daemon's announcement.
+    Announcement(Announcement),
+    /// A fraud proof exists: fetch it from the sender with `GetProof`, check it, exclude.
+    Proof {
+        /// Its id.
+        id: Commitment,
+        /// Who it accuses.
+        accused: String,
+    },
+}
+
+/// How much of a generation is checked by a second peer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum VerifyMode {
+    /// Random audits: each remote hop with this probability.
+    Sampled(f32),
+    /// Every hop re-run by a second peer before its token is released.
+    All,
 }
 
 /// Sampling settings on the wire.
@@ -202,6 +287,8 @@ pub struct GenerationRequest {
     pub stop_tokens: Vec<u32>,
     /// Prefill chunk size.
     pub chunk: u32,
+    /// How much is verified.
+    pub verify: VerifyMode,
 }
 
 /// One stage of a route: a peer (libp2p id, base58) and the layers it runs.
@@ -238,6 +325,17 @@ pub enum GenerationEvent {
         stop: String,
         /// blake3 of the final logits (little-endian f32), to compare runs bit for bit.
         final_logits: Commitment,
+    },
+    /// A peer was proven to have lied; the generation was recomputed without it and tokens
+    /// already sent changed from index `from` on. The stream goes on from the corrected
+    /// tokens.
+    Corrected {
+        /// First changed index.
+        from: u32,
+        /// The corrected tokens from `from` on (the new sequence so far).
+        tokens: Vec<u32>,
+        /// The proven liar.
+        liar: String,
     },
     /// The generation failed.
     Failed {

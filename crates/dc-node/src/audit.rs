@@ -1,0 +1,386 @@
+//! Audits, disputes and exclusion: which hops get re-run and by whom, the referee replay that
+//! turns a disagreement into a fraud proof, and what happens to a peer proven to have lied
+//! (excluded here at once, the proof gossiped, every peer that checks it excludes too).
+//!
+//! Nobody is excluded on a claim: a proof is checked against our own copy of the weights before
+//! anything happens. An auditor's disagreement alone only triggers the referee replay.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use dc_kernels::{Commitment, Domain};
+use dc_model::{Activations, LoadOptions, Model};
+use dc_types::{
+    AuditRequest, FraudProof, Gossip, HopRecord, HopTrace, LayerRange, RouteHop, Signed,
+    StageRequest, StageResponse,
+};
+use serde_json::{json, Value};
+use tracing::{info, warn};
+
+use crate::node::Node;
+use crate::verify::{build_proof, find_dispute, proof_id, proof_layer, verify_proof};
+
+/// Proofs kept to answer `GetProof` (the oldest go first).
+const MAX_PROOFS: usize = 256;
+
+/// Audit counters of one peer.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tally {
+    /// Audits run on its hops.
+    pub run: u64,
+    /// Audits that agreed.
+    pub passed: u64,
+    /// Audits that disagreed.
+    pub failed: u64,
+}
+
+/// What this daemon knows about audits and liars.
+#[derive(Debug, Default)]
+pub struct AuditBook {
+    per_peer: BTreeMap<String, Tally>,
+    excluded: BTreeMap<String, (Commitment, Instant)>,
+    proofs: HashMap<Commitment, FraudProof>,
+    order: VecDeque<Commitment>,
+    /// Audits the head wanted but could find no auditor for.
+    pub unavailable: u64,
+}
+
+impl AuditBook {
+    /// Records an audit's outcome.
+    pub fn record(&mut self, peer: &str, passed: bool) {
+        let t = self.per_peer.entry(peer.to_string()).or_default();
+        t.run += 1;
+        if passed {
+            t.passed += 1;
+        } else {
+            t.failed += 1;
+        }
+    }
+
+    /// Whether `peer` has been proven to lie.
+    pub fn is_excluded(&self, peer: &str) -> bool {
+        self.excluded.contains_key(peer)
+    }
+
+    /// Excludes `peer` on `proof` (kept to answer others).
+    pub fn exclude(&mut self, proof: FraudProof) -> (Commitment, bool) {
+        let id = proof_id(&proof);
+        let fresh = !self.excluded.contains_key(&proof.accused);
+        self.excluded
+            .entry(proof.accused.clone())
+            .or_insert((id, Instant::now()));
+        if !self.proofs.contains_key(&id) {
+            if self.order.len() >= MAX_PROOFS {
+                if let Some(old) = self.order.pop_front() {
+                    self.proofs.remove(&old);
+                }
+            }
+            self.order.push_back(id);
+            self.proofs.insert(id, proof);
+        }
+        (id, fresh)
+    }
+
+    /// A proof we hold.
+    pub fn proof(&self, id: &Commitment) -> Option<FraudProof> {
+        self.proofs.get(id).cloned()
+    }
+
+    /// The status section.
+    pub fn status(&self) -> (Value, Value) {
+        let (mut run, mut passed, mut failed) = (0, 0, 0);
+        let mut per = serde_json::Map::new();
+        for (p, t) in &self.per_peer {
+            run += t.run;
+            passed += t.passed;
+            failed += t.failed;
+            per.insert(
+                p.clone(),
+                json!({"run": t.run, "passed": t.passed, "failed": t.failed}),
+            );
+        }
+        let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "per_peer": per});
+        let excluded: Vec<Value> = self
+            .excluded
+            .iter()
+            .map(|(p, (id, _))| json!({"peer_id": p, "proof_id": id.to_hex()}))
+            .collect();
+        (audits, Value::Array(excluded))
+    }
+}
+
+/// The head's private coin: whether to audit this hop. Unpredictable to the stage, which cannot
+/// know the head's secret when it commits.
+pub fn should_audit(
+    node: &Node,
+    g: &dc_types::GenerationId,
+    step: u64,
+    seg: usize,
+    rate: f32,
+) -> bool {
+    if rate <= 0.0 {
+        return false;
+    }
+    let mut h = blake3::Hasher::new_keyed(&node.audit_secret);
+    h.update(&g.0);
+    h.update(&step.to_le_bytes());
+    h.update(&(seg as u64).to_le_bytes());
+    let x = u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().unwrap_or([0; 8]));
+    ((x >> 11) as f64 / (1u64 << 53) as f64) < rate as f64
+}
+
+/// A peer (not `accused`, not excluded) whose layers cover `layers`; ourselves if we do.
+pub fn pick_auditor(node: &Node, layers: LayerRange, accused: &str, salt: &[u8]) -> Option<String> {
+    let candidates: Vec<String> = node
+        .participants()
+        .into_iter()
+        .filter(|p| p.peer != accused && p.layers.covers(&layers))
+        .map(|p| p.peer)
+        .collect();
+    candidates.into_iter().max_by_key(|p| {
+        let mut h = blake3::Hasher::new();
+        h.update(salt);
+        h.update(p.as_bytes());
+        *h.finalize().as_bytes()
+    })
+}
+
+/// Everything the head kept about one route stage in one generation.
+#[derive(Clone, Debug, Default)]
+pub struct StageLog {
+    /// Inputs of each hop, in order.
+    pub inputs: Vec<Activations>,
+    /// The signed records.
+    pub records: Vec<Signed<HopRecord>>,
+    /// Their traces.
+    pub traces: Vec<HopTrace>,
+}
+
+/// Runs one audit of the last hop in `log` (served by `accused` for `seg.layers`); on
+/// disagreement, referees and, if proven, excludes. Returns whether the accused was proven to
+/// lie.
+pub async fn audit(node: Arc<Node>, seg: RouteHop, log: StageLog) -> bool {
+    let Some(last) = log.inputs.last() else {
+        return false;
+    };
+    let salt = [
+        last.start.to_le_bytes(),
+        (seg.layers.start as usize).to_le_bytes(),
+    ]
+    .concat();
+    let Some(auditor) = pick_auditor(&node, seg.layers, &seg.peer, &salt) else {
+        node.audits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unavailable += 1;
+        return false;
+    };
+    let req = AuditRequest {
+        model_id: node.model_id,
+        layers: seg.layers,
+        from: last.start as u32,
+        hops: log.inputs.iter().map(crate::verify::wire).collect(),
+    };
+    let theirs = if auditor == node.local {
+        crate::stage::serve_audit(node.clone(), req).await
+    } else {
+        let Ok(peer) = auditor.parse() else {
+            return false;
+        };
+        match node
+            .client
+            .stage_request(peer, StageRequest::Audit(req))
+            .await
+        {
+            Ok(StageResponse::Audit(r)) => r,
+            Ok(_) => Err("unexpected answer".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    let trace = match theirs {
+        Ok(t) => t,
+        Err(e) => {
+            warn!(
+                "audit by {auditor} of {} (layers {}) could not run: {e}",
+                seg.peer, seg.layers
+            );
+            node.audits
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .unavailable += 1;
+            return false;
+        }
+    };
+    let agreed = log.traces.last() == Some(&trace);
+    node.audits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .record(&seg.peer, agreed);
+    if agreed {
+        return false;
+    }
+    info!(
+        "audit by {auditor} disagrees with {} on layers {}: refereeing",
+        seg.peer, seg.layers
+    );
+    referee(node, &seg.peer, seg.layers, &log).await
+}
+
+/// Replays the accused's hops ourselves (loading its layers from our own model file), finds the
+/// first difference, builds the proof, checks it, and excludes the accused if it holds.
+pub async fn referee(node: Arc<Node>, accused: &str, layers: LayerRange, log: &StageLog) -> bool {
+    let model = match referee_model(&node, layers).await {
+        Ok(m) => m,
+        Err(e) => {
+            warn!("cannot referee layers {layers}: {e}");
+            return false;
+        }
+    };
+    let (n2, log2) = (node.clone(), log.clone());
+    let found = tokio::task::spawn_blocking(move || {
+        find_dispute(&model, &n2.gemm, layers, &log2.inputs, &log2.traces)
+    })
+    .await;
+    let dispute = match found {
+        Ok(Ok(Some(d))) => d,
+        Ok(Ok(None)) => {
+            info!("referee: {accused}'s hops on layers {layers} are correct");
+            return false;
+        }
+        Ok(Err(e)) => {
+            warn!("referee replay failed: {e}");
+            return false;
+        }
+        Err(e) => {
+            warn!("referee replay failed: {e}");
+            return false;
+        }
+    };
+    let proof = build_proof(node.model_id, accused, &dispute, &log.records, &log.traces);
+    accept_proof(node, proof, true).await
+}
+
+/// Loads (or reuses) a model holding `layers` for refereeing and proof checks.
+async fn referee_model(node: &Arc<Node>, layers: LayerRange) -> Result<Arc<Model>, String> {
+    if let Some(s) = node.serving() {
+        if s.layers.covers(&layers) {
+            return Ok(s.model.clone());
+        }
+    }
+    let mut slot = node.referee.lock().await;
+    if let Some((r, m)) = slot.as_ref() {
+        if r.covers(&layers) {
+            return Ok(m.clone());
+        }
+    }
+    let path = node.cfg.model.clone();
+    let m = tokio::task::spawn_blocking(move || {
+        Model::load(
+            &path,
+            &LoadOptions {
+                layers: Some(layers.as_range()),
+                head: false,
+            },
+        )
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| e.to_string())?;
+    let m = Arc::new(m);
+    *slot = Some((layers, m.clone()));
+    Ok(m)
+}
+
+/// Checks a proof against our weights; if it holds, excludes the accused and (when `gossip`)
+/// announces the proof. Returns whether it held.
+pub async fn accept_proof(node: Arc<Node>, proof: FraudProof, gossip: bool) -> bool {
+    if node
+        .audits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_excluded(&proof.accused)
+    {
+        return true;
+    }
+    let model = match proof_layer(&proof) {
+        Some(l) if l < node.model_cfg.num_layers as u32 => match referee_model(
+            &node,
+            LayerRange {
+                start: l,
+                end: l + 1,
+            },
+        )
+        .await
+        {
+            Ok(m) => Some(m),
+            Err(e) => {
+                warn!("cannot check a proof against {}: {e}", proof.accused);
+                return false;
+            }
+        },
+        Some(l) => {
+            warn!("a proof names layer {l}, beyond the model");
+            return false;
+        }
+        None => None,
+    };
+    let (n2, p2) = (node.clone(), proof.clone());
+    let checked = tokio::task::spawn_blocking(move || {
+        verify_proof(&p2, n2.model_id, &n2.model_cfg, model.as_deref(), &n2.gemm)
+    })
+    .await;
+    match checked {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            warn!("a proof against {} does not hold: {e}", proof.accused);
+            return false;
+        }
+        Err(e) => {
+            warn!("checking a proof failed: {e}");
+            return false;
+        }
+    }
+    let accused = proof.accused.clone();
+    let json = serde_json::to_vec(&proof).ok();
+    let (id, fresh) = node
+        .audits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .exclude(proof);
+    // Keep the proof where operators find it (`dcd verify-proof <file>` checks it anywhere).
+    if let (true, Some(bytes)) = (fresh, json) {
+        let dir = node.cfg.data_dir.join("proofs");
+        if std::fs::create_dir_all(&dir).is_ok() {
+            let _ = std::fs::write(dir.join(format!("{}.json", id.to_hex())), bytes);
+        }
+    }
+    if fresh {
+        println!("excluded peer {accused}: proof {id}");
+        warn!("excluded peer {accused}: fraud proof {id}");
+        node.stats.exclusions.fetch_add(1, Ordering::Relaxed);
+    }
+    if gossip {
+        node.gossip(&Gossip::Proof { id, accused }).await;
+    }
+    true
+}
+
+/// Proof id, for logs.
+pub fn short(id: &Commitment) -> String {
+    id.to_hex()[..12].to_string()
+}
+
+/// Domain-separated secret for the audit coin, from the time, the process and the identity.
+pub fn new_secret(identity: &[u8]) -> [u8; 32] {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let mut b = Vec::new();
+    b.extend_from_slice(&now.to_le_bytes());
+    b.extend_from_slice(&std::process::id().to_le_bytes());
+    b.extend_from_slice(identity);
+    Domain::HopRecord.hash(&b).0
+}

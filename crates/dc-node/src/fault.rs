@@ -1,0 +1,187 @@
+//! Test-only lies (compiled with the `fault-injection` feature): a daemon that corrupts a
+//! fraction of its hops in one of four ways, and signs records consistent with its lies, so the
+//! only way to catch it is an audit.
+//!
+//! - `flip-bit`: one bit of one output value.
+//! - `skip-layer`: the last layer of the hop is not run (its commitments are made up).
+//! - `other-weights`: the products are computed on other values than the committed input, as a
+//!   stage with other weights would.
+//! - `stale`: returns the output of an earlier hop of the same generation.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use dc_kernels::{Commitment, Domain};
+use dc_model::{Activations, KvCache, Model};
+use dc_types::{GenerationId, HopTrace, Point};
+
+use crate::node::Node;
+
+/// How to lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// Flip one bit of one output.
+    FlipBit,
+    /// Skip the last layer.
+    SkipLayer,
+    /// Compute with other weights.
+    OtherWeights,
+    /// Replay an earlier output.
+    Stale,
+}
+
+/// A configured fault.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fault {
+    /// How.
+    pub kind: FaultKind,
+    /// On what fraction of hops.
+    pub fraction: f32,
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Fault, String> {
+        let (k, f) = s.split_once(':').unwrap_or((s, "1"));
+        let kind = match k {
+            "flip-bit" => FaultKind::FlipBit,
+            "skip-layer" => FaultKind::SkipLayer,
+            "other-weights" => FaultKind::OtherWeights,
+            "stale" => FaultKind::Stale,
+            _ => {
+                return Err(format!(
+                    "fault {k:?}: expected flip-bit, skip-layer, other-weights or stale"
+                ))
+            }
+        };
+        let fraction: f32 = f
+            .parse()
+            .map_err(|_| format!("fault fraction {f:?} is not a number"))?;
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(format!("fault fraction {fraction} must be between 0 and 1"));
+        }
+        Ok(Fault { kind, fraction })
+    }
+}
+
+/// The fault configured through `DCD_FAULT` (read once).
+pub fn configured() -> Option<Fault> {
+    static F: std::sync::OnceLock<Option<Fault>> = std::sync::OnceLock::new();
+    *F.get_or_init(|| std::env::var("DCD_FAULT").ok().and_then(|s| s.parse().ok()))
+}
+
+fn last_outputs() -> &'static Mutex<HashMap<GenerationId, Activations>> {
+    static M: std::sync::OnceLock<Mutex<HashMap<GenerationId, Activations>>> =
+        std::sync::OnceLock::new();
+    M.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn coin(g: &GenerationId, step: u64, salt: u8) -> f64 {
+    let mut h = blake3::Hasher::new();
+    h.update(&g.0);
+    h.update(&step.to_le_bytes());
+    h.update(&[salt]);
+    let x = u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().unwrap_or([0; 8]));
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn set_output(trace: &mut HopTrace, y: &Activations) {
+    let c = y.rows_from(trace.from).commitment();
+    if let Some(e) = trace
+        .entries
+        .iter_mut()
+        .rev()
+        .find(|e| e.point == Point::Output)
+    {
+        e.commitment = c;
+    }
+}
+
+/// Runs a hop, lying as configured on the configured fraction of hops.
+pub fn run(
+    node: &Node,
+    model: &Model,
+    x: Activations,
+    cache: &mut KvCache,
+    trace: &mut HopTrace,
+    g: GenerationId,
+    step: u64,
+) -> dc_model::Result<Activations> {
+    let gemm = &node.gemm;
+    let Some(f) = configured() else {
+        return model.run_layers_traced(gemm, x, cache, Some(trace));
+    };
+    if coin(&g, step, 1) >= f.fraction as f64 {
+        let y = model.run_layers_traced(gemm, x, cache, Some(trace))?;
+        last_outputs()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(g, y.clone());
+        return Ok(y);
+    }
+    let layers = cache.layers();
+    let y =
+        match f.kind {
+            FaultKind::FlipBit => {
+                let mut y = model.run_layers_traced(gemm, x, cache, Some(trace))?;
+                let i = (coin(&g, step, 2) * y.data.len() as f64) as usize % y.data.len().max(1);
+                y.data[i] = f32::from_bits(y.data[i].to_bits() ^ (1 << 12));
+                set_output(trace, &y);
+                y
+            }
+            FaultKind::SkipLayer => {
+                let skipped = match cache.sub(layers.start..layers.end - 1) {
+                    Some(mut c) => model.run_layers(gemm, x.clone(), &mut c)?,
+                    None => x.clone(),
+                };
+                model.run_layers_traced(gemm, x, cache, Some(trace))?;
+                // Made-up commitments for the layer it did not run.
+                let last = (layers.end - 1) as u32;
+                for e in trace.entries.iter_mut().filter(|e| {
+                    e.layer == last && e.point != Point::Input && e.point != Point::Output
+                }) {
+                    e.commitment = Commitment(Domain::HopRecord.hash(&e.commitment.0).0);
+                }
+                set_output(trace, &skipped);
+                skipped
+            }
+            FaultKind::OtherWeights => {
+                let honest_input = x.rows_from(trace.from).commitment();
+                let mut x2 = x;
+                for v in x2.data.iter_mut().step_by(7) {
+                    *v *= 1.01;
+                }
+                let y = model.run_layers_traced(gemm, x2, cache, Some(trace))?;
+                if let Some(e) = trace.entries.iter_mut().find(|e| e.point == Point::Input) {
+                    e.commitment = honest_input;
+                }
+                y
+            }
+            FaultKind::Stale => {
+                let honest = model.run_layers_traced(gemm, x, cache, Some(trace))?;
+                let prev = last_outputs()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&g)
+                    .cloned();
+                match prev {
+                    Some(p) if p.data.len() == honest.data.len() => {
+                        let y = Activations {
+                            start: honest.start,
+                            hidden: honest.hidden,
+                            data: p.data,
+                        };
+                        set_output(trace, &y);
+                        y
+                    }
+                    _ => honest,
+                }
+            }
+        };
+    last_outputs()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(g, y.clone());
+    Ok(y)
+}

@@ -1,0 +1,163 @@
+//! What a stage commits to for one hop: a commitment to every exact product it ran (each GEMM's
+//! accumulators, both attention products) and to the activations entering every layer, in a
+//! fixed order, under one Merkle root that goes into the signed hop record.
+//!
+//! The order is the computation's: for each layer, its input activations, then q, k, v, the
+//! attention scores and context, the output projection, the MLP products; after the last layer,
+//! the output activations. Two honest stages produce the same list bit for bit; the first
+//! differing entry locates a lie to one product of one layer.
+
+use dc_kernels::commit::merkle_root;
+use dc_kernels::{Commitment, Domain};
+use serde::{Deserialize, Serialize};
+
+/// The point of the computation an entry commits to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Point {
+    /// Activations entering the layer.
+    Input,
+    /// Query projection.
+    Q,
+    /// Key projection.
+    K,
+    /// Value projection.
+    V,
+    /// Attention scores `Q · Kᵀ`.
+    Scores,
+    /// Attention context `P' · V`.
+    Context,
+    /// Output projection.
+    O,
+    /// SwiGLU gate projection.
+    Gate,
+    /// SwiGLU up projection.
+    Up,
+    /// SwiGLU / GELU down projection.
+    Down,
+    /// GELU MLP first projection.
+    Fc,
+    /// Activations leaving the last layer of the hop.
+    Output,
+}
+
+/// One committed point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// The layer.
+    pub layer: u32,
+    /// Which point of the layer.
+    pub point: Point,
+    /// The commitment.
+    pub commitment: Commitment,
+}
+
+/// The commitments of one hop, in computation order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HopTrace {
+    /// Only positions from here on are committed (a hop commits its own rows; an audit that
+    /// replays earlier positions commits only the audited ones).
+    pub from: usize,
+    /// The entries.
+    pub entries: Vec<Entry>,
+}
+
+impl HopTrace {
+    /// An empty trace committing positions `from..`.
+    pub fn from_position(from: usize) -> HopTrace {
+        HopTrace {
+            from,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Records a point.
+    pub fn push(&mut self, layer: usize, point: Point, commitment: Commitment) {
+        self.entries.push(Entry {
+            layer: layer as u32,
+            point,
+            commitment,
+        });
+    }
+
+    /// The root that goes into the hop record.
+    pub fn root(&self) -> Commitment {
+        let leaves: Vec<Commitment> = self
+            .entries
+            .iter()
+            .map(|e| {
+                let mut b = Vec::with_capacity(37);
+                b.extend_from_slice(&e.layer.to_le_bytes());
+                b.push(e.point as u8);
+                b.extend_from_slice(&e.commitment.0);
+                Domain::HopGemms.hash(&b)
+            })
+            .collect();
+        let root = merkle_root(&leaves);
+        let mut b = Vec::with_capacity(40);
+        b.extend_from_slice(&(leaves.len() as u64).to_le_bytes());
+        b.extend_from_slice(&root.0);
+        Domain::HopGemms.hash(&b)
+    }
+
+    /// The commitment recorded for `(layer, point)`, if any.
+    pub fn get(&self, layer: u32, point: Point) -> Option<Commitment> {
+        self.entries
+            .iter()
+            .find(|e| e.layer == layer && e.point == point)
+            .map(|e| e.commitment)
+    }
+
+    /// Whether the entries are exactly the points an honest stage records for `layers`
+    /// (`swiglu`: Llama-family MLP; otherwise GPT-2's).
+    pub fn is_well_formed(&self, layers: crate::LayerRange, swiglu: bool) -> bool {
+        let want = expected_points(layers, swiglu);
+        want.len() == self.entries.len()
+            && want
+                .iter()
+                .zip(&self.entries)
+                .all(|(&(l, p), e)| e.layer == l && e.point == p)
+    }
+
+    /// The first entry where `other` differs (by position in the list), if any.
+    pub fn first_difference(&self, other: &HopTrace) -> Option<usize> {
+        let n = self.entries.len().min(other.entries.len());
+        (0..n)
+            .find(|&i| self.entries[i] != other.entries[i])
+            .or((self.entries.len() != other.entries.len()).then_some(n))
+    }
+}
+
+/// The points an honest stage records for `layers`, in order.
+pub fn expected_points(layers: crate::LayerRange, swiglu: bool) -> Vec<(u32, Point)> {
+    let per_layer: &[Point] = if swiglu {
+        &[
+            Point::Input,
+            Point::Q,
+            Point::K,
+            Point::V,
+            Point::Scores,
+            Point::Context,
+            Point::O,
+            Point::Gate,
+            Point::Up,
+            Point::Down,
+        ]
+    } else {
+        &[
+            Point::Input,
+            Point::Q,
+            Point::K,
+            Point::V,
+            Point::Scores,
+            Point::Context,
+            Point::O,
+            Point::Fc,
+            Point::Down,
+        ]
+    };
+    let mut v: Vec<(u32, Point)> = (layers.start..layers.end)
+        .flat_map(|l| per_layer.iter().map(move |&p| (l, p)))
+        .collect();
+    v.push((layers.end - 1, Point::Output));
+    v
+}
