@@ -1,0 +1,171 @@
+//! Freivalds' check of an exact product: `C · r == A · (W · r)` for a random vector `r` the
+//! stage never sees, in arithmetic modulo the Mersenne prime `p = 2^61 − 1`.
+//!
+//! Why it is exact: every value in a product is a dyadic rational `n · 2^e`, and `n · 2^e ↦
+//! n · 2^e mod p` is a ring homomorphism from the dyadic rationals to `Z_p` because 2 is
+//! invertible modulo an odd prime (`2^61 ≡ 1`, so `2^e ≡ 2^(e mod 61)`). The block-scaled
+//! product `C_ij = Σ_b m_x m_w 2^(e_x + e_w) Σ_t q_x q_w` maps term by term, so an honest `C`
+//! always passes, and a wrong one passes with probability at most `1/p ≈ 4·10⁻¹⁹` over the
+//! choice of `r` (Schwartz–Zippel: `(C − AW) · r` is a non-zero linear form).
+//!
+//! Cost: `W · r` (`u` below) is precomputed once per weight matrix and secret `r` in O(k·n);
+//! each checked row then costs O(k + n) instead of the O(k·n) of re-running it.
+
+use crate::exact::Exact;
+use crate::gemm::Accumulators;
+use crate::pack::PackedWeights;
+use crate::quant::{QuantizedRows, BLOCK};
+
+/// The prime: 2^61 − 1.
+pub const P: u64 = (1 << 61) - 1;
+
+#[inline]
+fn reduce(x: u128) -> u64 {
+    // x mod (2^61 − 1) by folding: 2^61 ≡ 1.
+    let lo = (x as u64) & P;
+    let hi = (x >> 61) as u64;
+    let s = lo + (hi & P) + (hi >> 61);
+    let s = (s & P) + (s >> 61);
+    if s >= P {
+        s - P
+    } else {
+        s
+    }
+}
+
+#[inline]
+fn mul(a: u64, b: u64) -> u64 {
+    reduce(a as u128 * b as u128)
+}
+
+#[inline]
+fn add(a: u64, b: u64) -> u64 {
+    let s = a + b;
+    if s >= P {
+        s - P
+    } else {
+        s
+    }
+}
+
+/// `2^e mod p` for any integer `e`.
+#[inline]
+fn pow2(e: i32) -> u64 {
+    1u64 << e.rem_euclid(61)
+}
+
+/// A signed integer modulo p.
+#[inline]
+fn signed(v: i64) -> u64 {
+    let m = (v.unsigned_abs() % P) as u64;
+    if v < 0 && m != 0 {
+        P - m
+    } else {
+        m
+    }
+}
+
+/// An exact value modulo p.
+pub fn exact_mod(e: &Exact) -> u64 {
+    match e {
+        Exact::Small { mant, exp } => mul(signed(*mant), pow2(*exp)),
+        Exact::Wide { neg, mag, exp } => {
+            // Σ limb_i · 2^(64 i), then the sign and the power of two.
+            let mut acc = 0u64;
+            for (i, l) in mag.iter().enumerate() {
+                acc = add(acc, mul(*l % P, pow2(64 * i as i32)));
+            }
+            let v = mul(acc, pow2(*exp));
+            if *neg && v != 0 {
+                P - v
+            } else {
+                v
+            }
+        }
+    }
+}
+
+/// A secret challenge for one weight matrix: `r` (one value per output column) and
+/// `u = W · r` (one value per position along k, block scales folded in).
+#[derive(Clone, Debug)]
+pub struct FreivaldsKey {
+    r: Vec<u64>,
+    u: Vec<u64>,
+}
+
+impl FreivaldsKey {
+    /// Draws `r` from `secret` (keep it from the stage being checked) and precomputes `W · r`.
+    pub fn new(w: &PackedWeights, secret: &[u8; 32]) -> FreivaldsKey {
+        let mut xof = blake3::Hasher::new_keyed(secret).finalize_xof();
+        let r: Vec<u64> = (0..w.n())
+            .map(|_| {
+                let mut b = [0u8; 8];
+                xof.fill(&mut b);
+                u64::from_le_bytes(b) % P
+            })
+            .collect();
+        let mut u = vec![0u64; w.blocks() * BLOCK];
+        for (j, &rj) in r.iter().enumerate() {
+            for b in 0..w.blocks() {
+                let s = w.scale(j, b);
+                let f = mul(mul(s.m as u64, pow2(s.e as i32)), rj);
+                for (t, &q) in w.column_block(j, b).iter().enumerate() {
+                    if q != 0 {
+                        let i = b * BLOCK + t;
+                        u[i] = add(u[i], mul(signed(q as i64), f));
+                    }
+                }
+            }
+        }
+        FreivaldsKey { r, u }
+    }
+
+    /// Checks row `row` of `acc` (the claimed exact accumulators of `x · W`).
+    pub fn check_row(&self, x: &QuantizedRows, row: usize, acc: &Accumulators) -> bool {
+        let mut lhs = 0u64;
+        for (j, &rj) in self.r.iter().enumerate() {
+            lhs = add(lhs, mul(exact_mod(&acc.get(row, j)), rj));
+        }
+        let mut rhs = 0u64;
+        for b in 0..x.blocks() {
+            let s = x.scale(row, b);
+            let mut dot = 0u64;
+            for (t, &q) in x.block(row, b).iter().enumerate() {
+                if q != 0 {
+                    dot = add(dot, mul(signed(q as i64), self.u[b * BLOCK + t]));
+                }
+            }
+            rhs = add(rhs, mul(dot, mul(s.m as u64, pow2(s.e as i32))));
+        }
+        lhs == rhs
+    }
+
+    /// Checks every row; returns the first failing one.
+    pub fn check(&self, x: &QuantizedRows, acc: &Accumulators) -> Result<(), usize> {
+        if acc.rows != x.rows() || acc.cols != self.r.len() {
+            return Err(0);
+        }
+        match (0..x.rows()).find(|&i| !self.check_row(x, i, acc)) {
+            Some(i) => Err(i),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arithmetic_mod_p() {
+        assert_eq!(reduce(P as u128), 0);
+        assert_eq!(reduce((P as u128) * (P as u128) + 5), 5);
+        assert_eq!(mul(pow2(-1), 2), 1, "2^-1 is the inverse of 2");
+        assert_eq!(mul(pow2(-70), pow2(70)), 1);
+        assert_eq!(add(signed(-3), 3), 0);
+        let w = Exact::Wide { neg: true, mag: vec![5, 1], exp: -3 };
+        // -(5 + 2^64) / 8
+        let want = mul(P - add(5, pow2(64)), pow2(-3));
+        assert_eq!(exact_mod(&w), want);
+    }
+}

@@ -1,0 +1,36 @@
+//! Freivalds' check accepts every honest product and rejects any changed accumulator.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use dc_kernels::conformance::{matrix, Style};
+use dc_kernels::freivalds::FreivaldsKey;
+use dc_kernels::rng::SplitMix64;
+use dc_kernels::{Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
+use proptest::prelude::*;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn honest_passes_and_any_change_fails(
+        m in 1usize..6, k in 1usize..200, n in 1usize..40,
+        span in 0i32..120, seed in any::<u64>(), which in any::<usize>(), delta in 1i64..1000,
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = QuantizedRows::quantize(&matrix(&mut rng, m, k, Style::Span(span)), m, k, "x").unwrap();
+        let w = PackedWeights::quantize(&matrix(&mut rng, n, k, Style::Normal), k, n, WeightLayout::NByK, "w").unwrap();
+        let mut y = vec![0f32; m * n];
+        let Ok(acc) = Gemm::new(Kernel::best(), 1).unwrap().matmul_exact(&x, &w, &mut y) else { return Ok(()) };
+        let key = FreivaldsKey::new(&w, &[seed as u8; 32]);
+        prop_assert_eq!(key.check(&x, &acc), Ok(()));
+        // Change one accumulator by any amount: caught.
+        let mut bad = acc.clone();
+        let i = which % bad.slots.len();
+        if bad.slots[i] != dc_kernels::gemm::Slot::WIDE {
+            bad.slots[i].mant = bad.slots[i].mant.wrapping_add(delta * 2 + 1) | 1;
+            if bad.slots[i] != acc.slots[i] {
+                prop_assert_eq!(key.check(&x, &bad), Err(i / n));
+            }
+        }
+    }
+}
