@@ -82,6 +82,17 @@ impl Daemon {
     /// Starts `dcd join --model <model> <extra…>` on loopback with mDNS off and fast
     /// announcements, and waits until it serves.
     pub fn start(dir: &Path, name: &str, model: &Path, extra: &[&str]) -> Daemon {
+        Self::start_with_env(dir, name, model, extra, &[])
+    }
+
+    /// [`Daemon::start`] with extra environment variables (e.g. `DCD_FAULT` for a liar).
+    pub fn start_with_env(
+        dir: &Path,
+        name: &str,
+        model: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let data = dir.join(name);
         std::fs::create_dir_all(&data).unwrap();
         let log = dir.join(format!("{name}.log"));
@@ -105,6 +116,7 @@ impl Daemon {
             .arg(&data)
             .args(extra)
             .env("DCD_LOG", "info,libp2p=warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap());
         let mut child = cmd.spawn().unwrap();

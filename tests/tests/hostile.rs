@@ -159,10 +159,10 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     let mut seen_model = false;
     for _ in 0..100 {
         let _ = client
-            .publish(encode(&bad(99, model_id), 1 << 16).unwrap())
+            .publish(encode(&Gossip::Announcement(bad(99, model_id)), 1 << 16).unwrap())
             .await;
         let _ = client
-            .publish(encode(&bad(PROTOCOL_VERSION, other), 1 << 16).unwrap())
+            .publish(encode(&Gossip::Announcement(bad(PROTOCOL_VERSION, other)), 1 << 16).unwrap())
             .await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let log = d.log_text();

@@ -57,7 +57,7 @@ fn pow2(e: i32) -> u64 {
 /// A signed integer modulo p.
 #[inline]
 fn signed(v: i64) -> u64 {
-    let m = (v.unsigned_abs() % P) as u64;
+    let m = v.unsigned_abs() % P;
     if v < 0 && m != 0 {
         P - m
     } else {
@@ -163,7 +163,11 @@ mod tests {
         assert_eq!(mul(pow2(-1), 2), 1, "2^-1 is the inverse of 2");
         assert_eq!(mul(pow2(-70), pow2(70)), 1);
         assert_eq!(add(signed(-3), 3), 0);
-        let w = Exact::Wide { neg: true, mag: vec![5, 1], exp: -3 };
+        let w = Exact::Wide {
+            neg: true,
+            mag: vec![5, 1],
+            exp: -3,
+        };
         // -(5 + 2^64) / 8
         let want = mul(P - add(5, pow2(64)), pow2(-3));
         assert_eq!(exact_mod(&w), want);

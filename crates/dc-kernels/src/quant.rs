@@ -123,11 +123,32 @@ pub fn quantize_element_reference(x: f32, s: BlockScale) -> i8 {
     }
 }
 
+/// `2^e` as an f64, built from its bits (exact; `powi` may be a library call), for
+/// `-1022 <= e <= 1023`, which every block exponent of f32 data satisfies.
+#[inline(always)]
+pub fn pow2_f64(e: i32) -> f64 {
+    f64::from_bits(((e.clamp(-1022, 1023) + 1023) as u64) << 52)
+}
+
+/// Round half to even, for `|x| < 2^52` (always the case for quantised values): adding and
+/// subtracting 2^52 rounds in the default IEEE mode, ties to even, in two instructions, where
+/// `f64::round_ties_even` becomes a libm call on baseline x86-64 (no SSE4.1).
+#[inline(always)]
+pub fn round_half_even(x: f64) -> f64 {
+    const C: f64 = 4_503_599_627_370_496.0; // 2^52
+    let a = x.abs();
+    if a < C {
+        ((a + C) - C).copysign(x)
+    } else {
+        x
+    }
+}
+
 /// Fast element quantiser (f64 division); equal to the reference for every f32 input.
 #[inline]
 pub fn quantize_element(x: f32, s: BlockScale) -> i8 {
-    let scaled = x as f64 * 2f64.powi(-(s.e as i32));
-    let q = (scaled / s.m as f64).round_ties_even();
+    let scaled = x as f64 * pow2_f64(-(s.e as i32));
+    let q = round_half_even(scaled / s.m as f64);
     q.clamp(-QMAX as f64, QMAX as f64) as i8
 }
 
@@ -138,12 +159,10 @@ pub fn quantize_block(values: &[f32], out: &mut [i8; BLOCK]) -> BlockScale {
     let s = BlockScale::for_amax(amax);
     out.fill(0);
     if amax != 0.0 {
-        let inv = 2f64.powi(-(s.e as i32));
+        let inv = pow2_f64(-(s.e as i32));
         let m = s.m as f64;
         for (o, &v) in out.iter_mut().zip(values) {
-            *o = ((v as f64 * inv) / m)
-                .round_ties_even()
-                .clamp(-QMAX as f64, QMAX as f64) as i8;
+            *o = round_half_even((v as f64 * inv) / m).clamp(-QMAX as f64, QMAX as f64) as i8;
         }
     }
     s

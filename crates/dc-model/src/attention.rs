@@ -12,7 +12,7 @@
 use dc_kernels::commit::{exact_row_leaf, gemm_commitment, merkle_root};
 use dc_kernels::elementwise::softmax;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
-use dc_kernels::quant::{quantize_block, BlockScale, BLOCK, QMAX};
+use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
@@ -146,9 +146,7 @@ impl LayerCache {
                 let inv = pow2(-e);
                 for &x in vh {
                     // x · 2^-e is exact in f64; one rounding, ties to even.
-                    let q = (x as f64 * inv)
-                        .round_ties_even()
-                        .clamp(-QMAX as f64, QMAX as f64);
+                    let q = round_half_even(x as f64 * inv).clamp(-QMAX as f64, QMAX as f64);
                     self.v_q.push(q as i8);
                 }
                 self.v_e.push(e as i16);
@@ -379,7 +377,7 @@ fn head_attention(
         for (j, &p) in (j0..=j1).zip(&pv) {
             // (p · 2^-e) is exact; the quotient by m is correctly rounded and, p having at most
             // 24 significant bits, cannot create or destroy a tie.
-            let qp = ((p * inv) / m).round_ties_even().min(QMAX as f64) as i32;
+            let qp = round_half_even((p * inv) / m).min(QMAX as f64) as i32;
             if qp == 0 {
                 continue;
             }

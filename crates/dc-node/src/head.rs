@@ -181,12 +181,15 @@ fn attempt_id(g: &GenerationId, n: usize) -> GenerationId {
     GenerationId(out)
 }
 
-/// One attempt's state: the route, the second peers (verify all), what was logged per stage,
-/// and the audits running.
+/// The second peer for each hop of a route under `--verify all` (`None` for the head's own).
+type Shadows = Vec<Option<String>>;
+
+/// One attempt's state: the route, the second peers (verify all: one per remote hop; the
+/// head's own hops need none), what was logged per stage, and the audits running.
 struct Attempt {
     g: GenerationId,
     route: Vec<RouteHop>,
-    shadows: Option<Vec<String>>,
+    shadows: Option<Shadows>,
     logs: Vec<StageLog>,
     shadow_logs: Vec<StageLog>,
     audits: Vec<JoinHandle<bool>>,
@@ -205,8 +208,7 @@ impl Attempt {
             let h = self.route[i].clone();
             let remote = h.peer != node.local;
             self.logs[i].inputs.push(x.clone());
-            if let Some(shadows) = &self.shadows {
-                let shadow = shadows[i].clone();
+            if let Some(shadow) = self.shadows.as_ref().and_then(|s| s[i].clone()) {
                 self.shadow_logs[i].inputs.push(x.clone());
                 let (a, b) = tokio::join!(
                     hop_on(node, &h.peer, h.layers, self.g, step, &x),
@@ -261,7 +263,7 @@ impl Attempt {
             .map(|h| (h.peer.clone(), self.g))
             .collect();
         if let Some(s) = &self.shadows {
-            peers.extend(s.iter().map(|p| (p.clone(), shadow_id(&self.g))));
+            peers.extend(s.iter().flatten().map(|p| (p.clone(), shadow_id(&self.g))));
         }
         for (peer, g) in peers {
             if peer == node.local {
@@ -312,7 +314,7 @@ fn plan(
     node: &Arc<Node>,
     req: &GenerationRequest,
     g: &GenerationId,
-) -> Result<(Vec<RouteHop>, Option<Vec<String>>), String> {
+) -> Result<(Vec<RouteHop>, Option<Shadows>), String> {
     if req.model_id != node.model_id {
         return Err(format!(
             "this daemon serves model {}, not {}",
@@ -334,12 +336,18 @@ fn plan(
             route
                 .iter()
                 .map(|h| {
-                    pick_auditor(node, h.layers, &h.peer, &g.0).ok_or_else(|| {
-                        format!(
-                            "--verify all needs a second peer serving layers {} (only {} does)",
-                            h.layers, h.peer
-                        )
-                    })
+                    if h.peer == node.local {
+                        // The head trusts its own arithmetic.
+                        return Ok(None);
+                    }
+                    pick_auditor(node, h.layers, &h.peer, &g.0)
+                        .map(Some)
+                        .ok_or_else(|| {
+                            format!(
+                                "--verify all needs a second peer serving layers {} (only {} does)",
+                                h.layers, h.peer
+                            )
+                        })
                 })
                 .collect::<Result<Vec<_>, _>>()?,
         ),

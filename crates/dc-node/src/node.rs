@@ -162,6 +162,16 @@ impl Node {
         *self.throughput.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The throughput we announce: the measured one (a lying test daemon claims far more, as a
+    /// real liar wanting traffic would).
+    fn announced_throughput(&self) -> f32 {
+        #[cfg(feature = "fault-injection")]
+        if crate::fault::configured().is_some() {
+            return self.throughput() * 1000.0 + 1e6;
+        }
+        self.throughput()
+    }
+
     /// The memory our weights take (estimate).
     pub fn weights_bytes(&self) -> u64 {
         self.serving().map_or(0, |s| {
@@ -242,7 +252,7 @@ impl Node {
             model_id: self.model_id,
             layers: s.as_ref().map(|s| s.layers),
             head: s.as_ref().is_some_and(|s| s.head),
-            throughput: self.throughput(),
+            throughput: self.announced_throughput(),
             free_memory: free,
             state: self.state(),
             active_generations: self.active_generations(),

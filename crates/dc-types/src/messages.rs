@@ -134,6 +134,8 @@ pub enum HopErrorKind {
 }
 
 /// A stage's answer to a hop.
+// `Done` is the common case and is built once per hop; boxing it would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum HopResponse {
     /// The output activations, the signed record, and the trace whose root the record signs.

@@ -16,12 +16,22 @@ pub struct Cli {
 /// Options every command takes.
 #[derive(Debug, Args)]
 pub struct Global {
-    /// GEMM kernel: auto, scalar, avx2 or avx512 (every kernel gives the same bits).
-    #[arg(long, global = true, env = "DCD_KERNEL", default_value = "auto")]
+    /// GEMM kernel: auto, scalar, avx2 or avx512 (every kernel gives the same bits)
+    /// [env: DCD_KERNEL; default: auto].
+    #[arg(long = "kernel", global = true, value_name = "KERNEL")]
+    pub kernel_flag: Option<String>,
+    // The kernel after resolving the flag, DCD_KERNEL, the config file and the default
+    // (`cmd::run` sets it).
+    #[arg(skip = String::from("auto"))]
     pub kernel: String,
-    /// Worker threads for the maths (default: all cores).
-    #[arg(long, global = true, env = "DCD_THREADS")]
+    /// Worker threads for the maths [env: DCD_THREADS; default: all cores].
+    // `cmd::run` replaces the flag with the resolved value.
+    #[arg(long, global = true)]
     pub threads: Option<usize>,
+    /// Config file [default: ~/.config/dcd/dcd.toml, if present]. Precedence: flags, then
+    /// DCD_* variables, then this file, then defaults (`dcd config show`).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
     /// More log output.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
@@ -48,18 +58,28 @@ pub enum Command {
     Tokenize(TokenizeArgs),
     /// Run the daemon: join the swarm and serve layers until SIGINT or SIGTERM.
     Join(JoinArgs),
-    /// Show the local daemon's status.
+    /// Check a fraud proof with your own copy of the model's weights.
+    VerifyProof(VerifyProofArgs),
+    /// Show the local daemon's status: a live dashboard, or one JSON snapshot.
     Status(StatusArgs),
+    /// Inspect the configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
 }
 
+/// Every `join` option also comes from a `DCD_*` variable or the config file (`--max-memory`:
+/// `DCD_MAX_MEMORY`, `max_memory = ...`); `dcd config show` prints the result.
 #[derive(Debug, Args)]
 pub struct JoinArgs {
-    #[command(flatten)]
-    pub model: ModelArg,
-    /// Layers to serve: a half-open range A..B (0..2 serves layers 0 and 1), or auto.
-    #[arg(long, default_value = "auto")]
-    pub layers: String,
-    /// Addresses to listen on (multiaddrs; repeatable).
+    /// A Hugging Face model folder, a GGUF file, or the name of an installed model
+    /// [env: DCD_MODEL; config: model].
+    #[arg(long, short = 'm')]
+    pub model: Option<String>,
+    /// Layers to serve: a half-open range A..B (0..2 serves layers 0 and 1), or auto
+    /// [default: auto].
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Addresses to listen on (multiaddrs; repeatable) [default: TCP and QUIC on port 7371].
     #[arg(long)]
     pub listen: Vec<String>,
     /// Peers to dial at start (multiaddrs; repeatable).
@@ -71,41 +91,85 @@ pub struct JoinArgs {
     /// Do not hold the head weights (embeddings, final norm, output projection).
     #[arg(long)]
     pub no_head: bool,
-    /// Data directory (identity key, caches); default: the platform data directory.
-    #[arg(long, env = "DCD_DATA_DIR")]
+    /// Data directory (identity key, caches) [default: the platform data directory].
+    #[arg(long)]
     pub data_dir: Option<std::path::PathBuf>,
-    /// Control API address (loopback unless a token is set).
-    #[arg(long, default_value = "127.0.0.1:7370")]
-    pub api: std::net::SocketAddr,
-    /// Bearer token the control API requires.
-    #[arg(long, env = "DCD_API_TOKEN", hide_env_values = true)]
+    /// Control API address HOST:PORT, loopback unless a token is set [default: 127.0.0.1:7370].
+    #[arg(long)]
+    pub api: Option<String>,
+    /// Bearer token the control API requires (prefer DCD_API_TOKEN or the config file: flags
+    /// show in `ps`).
+    #[arg(long)]
     pub api_token: Option<String>,
-    /// Memory budget for weights and caches (e.g. 4GiB).
+    /// Memory budget for weights and caches (e.g. 4GiB) [default: none].
     #[arg(long)]
     pub max_memory: Option<String>,
-    /// Generations served at once.
-    #[arg(long, default_value_t = 8)]
-    pub max_generations: usize,
-    /// Seconds between announcements.
-    #[arg(long, default_value_t = 2.0)]
-    pub announce_secs: f64,
-    /// Seconds between shard re-checks (auto layers).
-    #[arg(long, default_value_t = 10.0)]
-    pub rebalance_secs: f64,
+    /// Generations served at once [default: 8].
+    #[arg(long)]
+    pub max_generations: Option<usize>,
+    /// Seconds between announcements [default: 2].
+    #[arg(long)]
+    pub announce_secs: Option<f64>,
+    /// Seconds between shard re-checks (auto layers) [default: 10].
+    #[arg(long)]
+    pub rebalance_secs: Option<f64>,
     /// Skip the numeric self-test at start.
     #[arg(long)]
     pub no_selftest: bool,
-    /// Largest stage message (request or response) accepted or sent, bytes.
-    #[arg(long, default_value_t = 64 << 20)]
-    pub max_message_bytes: usize,
+    /// Largest stage message (request or response) accepted or sent, bytes or a size like
+    /// 64MiB [default: 64MiB].
+    #[arg(long)]
+    pub max_message_bytes: Option<String>,
+    /// Serve only while the machine is otherwise idle: pause new work while other processes
+    /// keep the CPU busy.
+    #[arg(long)]
+    pub idle_only: bool,
+    /// With --idle-only: other processes' CPU use (0.01 to 1, share of all cores) that pauses
+    /// new work [default: 0.5].
+    #[arg(long)]
+    pub idle_threshold: Option<f64>,
+    /// Share of hops to audit by replay on another peer when this daemon heads a
+    /// generation (0 to 1; 1 audits every hop) [default: 0.1].
+    #[arg(long)]
+    pub audit_rate: Option<f64>,
+}
+
+#[derive(Debug, Args)]
+pub struct VerifyProofArgs {
+    /// The proof (JSON, as a daemon writes it to `<data dir>/proofs/`).
+    pub file: std::path::PathBuf,
+    /// Your copy of the model (folder, GGUF file or installed name).
+    #[arg(long, short = 'm')]
+    pub model: String,
+    /// Print the verdict as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// The daemon's control API.
-    #[arg(long, default_value = "http://127.0.0.1:7370", env = "DCD_API")]
-    pub api: String,
+    /// The daemon's control API, a URL or HOST:PORT [default: the `api` setting,
+    /// http://127.0.0.1:7370].
+    #[arg(long)]
+    pub api: Option<String>,
     /// Print the status JSON once.
+    #[arg(long, conflicts_with = "once")]
+    pub json: bool,
+    /// Print the dashboard once as text and exit (the default when stdout is not a terminal).
+    #[arg(long)]
+    pub once: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the resolved configuration and where each value came from (flag, env DCD_*,
+    /// file, default).
+    Show(ConfigShowArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigShowArgs {
+    /// Print {"config_file", "settings": {key: {"value", "source"}}} as JSON.
     #[arg(long)]
     pub json: bool,
 }
@@ -170,6 +234,13 @@ pub struct GenerateArgs {
     /// Print {"prompt_ids", "tokens", "text"} as JSON at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// With --api: `all` re-runs every hop on a second peer before its token is released;
+    /// `sample` (default) audits random hops.
+    #[arg(long, requires = "api")]
+    pub verify: Option<String>,
+    /// With --api: probability of auditing each remote hop (default: the daemon's).
+    #[arg(long, requires = "api")]
+    pub audit_rate: Option<f32>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -245,6 +316,9 @@ pub struct BenchModelArgs {
     /// Tokens to decode for the decode measurement.
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// Also measure with every product committed (what a stage does for a signed hop record).
+    #[arg(long)]
+    pub commit: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -3,6 +3,7 @@
 
 mod cli;
 mod cmd;
+mod config;
 
 use std::process::ExitCode;
 

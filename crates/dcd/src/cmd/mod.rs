@@ -1,6 +1,8 @@
 //! Command implementations.
 
 mod bench;
+mod config_cmd;
+mod dashboard;
 mod model_cmds;
 mod selftest;
 mod swarm;
@@ -13,9 +15,13 @@ use dc_kernels::{Gemm, Kernel};
 use dc_model::tokenizer::{load_for_model, ChatTemplate, SpecialTokens, Tokenizer};
 use dc_model::{store, LoadOptions, Model};
 
-use crate::cli::{BenchCommand, Cli, Command, Global, ModelArg};
+use crate::cli::{BenchCommand, Cli, Command, ConfigCommand, Global, ModelArg};
 
-pub fn run(cli: Cli) -> Result<ExitCode> {
+pub fn run(mut cli: Cli) -> Result<ExitCode> {
+    // Flags, DCD_* environment, config file and defaults resolve once, here.
+    let resolved = crate::config::load(cli.global.config.as_deref(), &crate::config::flags(&cli))?;
+    cli.global.kernel = resolved.settings.kernel.clone();
+    cli.global.threads = resolved.settings.threads;
     let g = &cli.global;
     match &cli.command {
         Command::Selftest(a) => selftest::run(g, a),
@@ -25,8 +31,10 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Logits(a) => model_cmds::logits(g, a),
         Command::Perplexity(a) => model_cmds::perplexity(g, a),
         Command::Tokenize(a) => model_cmds::tokenize(a),
-        Command::Join(a) => swarm::join(g, a),
-        Command::Status(a) => swarm::status(a),
+        Command::Join(_) => swarm::join(g, &resolved),
+        Command::VerifyProof(a) => swarm::verify_proof(g, a),
+        Command::Status(a) => swarm::status(a, &resolved),
+        Command::Config(ConfigCommand::Show(a)) => config_cmd::show(a, &resolved),
     }
 }
 

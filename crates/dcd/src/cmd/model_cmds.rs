@@ -181,6 +181,35 @@ pub fn tokenize(a: &TokenizeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Prefill and decode rates of all layers with every product committed (median of 3).
+fn committed_rates(
+    model: &dc_model::Model,
+    gemm: &Gemm,
+    prompt: &[u32],
+    decode: usize,
+) -> Result<(f64, f64)> {
+    let layers = 0..model.config.num_layers;
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let mut cache = dc_model::KvCache::new(&model.config, layers.clone());
+        let s = Instant::now();
+        let x = model.embed(prompt, 0)?;
+        let mut t = dc_model::trace::HopTrace::from_position(0);
+        model.run_layers_traced(gemm, x, &mut cache, Some(&mut t))?;
+        pre.push(prompt.len() as f64 / s.elapsed().as_secs_f64());
+        let s = Instant::now();
+        for i in 0..decode {
+            let pos = prompt.len() + i;
+            let x = model.embed(&[(pos % 100) as u32], pos)?;
+            let mut t = dc_model::trace::HopTrace::from_position(pos);
+            let y = model.run_layers_traced(gemm, x, &mut cache, Some(&mut t))?;
+            model.readout(gemm, &y)?;
+        }
+        dec.push(decode as f64 / s.elapsed().as_secs_f64());
+    }
+    Ok((median(&mut pre), median(&mut dec)))
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -230,6 +259,19 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             dec.push(a.decode_tokens as f64 / s.elapsed().as_secs_f64());
         }
         let (pre, dec) = (median(&mut pre), median(&mut dec));
+        let committed = if a.commit {
+            Some(committed_rates(&model, &gemm, &prompt, a.decode_tokens)?)
+        } else {
+            None
+        };
+        if let (Some((cp, cd)), false) = (committed, a.json || global.quiet) {
+            println!(
+                "{} threads {t} with commitments: prefill {cp:.1} tokens/s ({:.1} % slower), decode {cd:.1} tokens/s ({:.1} % slower)",
+                kernel.name(),
+                100.0 * (pre / cp - 1.0),
+                100.0 * (dec / cd - 1.0)
+            );
+        }
         if !a.json && !global.quiet {
             println!(
                 "{} threads {t}: prefill {pre:.1} tokens/s ({} tokens), decode {dec:.1} tokens/s ({:.1} ms/token)",
@@ -238,7 +280,13 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 1e3 / dec
             );
         }
-        results.push(json!({"kernel": kernel.name(), "threads": t, "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec, "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens}));
+        results.push(json!({
+            "kernel": kernel.name(), "threads": t,
+            "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
+            "committed_prefill_tokens_per_s": committed.map(|c| c.0),
+            "committed_decode_tokens_per_s": committed.map(|c| c.1),
+            "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
+        }));
     }
     if a.json {
         println!("{}", json!({"model": path, "results": results}));

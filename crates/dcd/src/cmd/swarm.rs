@@ -6,12 +6,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use dc_kernels::Kernel;
-use dc_node::{LayerChoice, NodeConfig};
 use serde_json::{json, Value};
 
-use super::{default_threads, model_path};
-use crate::cli::{GenerateArgs, Global, JoinArgs, ModelArg, StatusArgs};
+use crate::cli::{GenerateArgs, Global, StatusArgs};
+use crate::config::Resolved;
 
 fn init_logging(global: &Global) {
     let level = match (global.quiet, global.verbose) {
@@ -29,75 +27,23 @@ fn init_logging(global: &Global) {
         .try_init();
 }
 
-fn secs(v: f64, what: &str) -> Result<Duration> {
-    if !(0.05..=3600.0).contains(&v) {
-        bail!("{what} must be between 0.05 and 3600 seconds, got {v}");
-    }
-    Ok(Duration::from_secs_f64(v))
-}
-
-pub fn join(global: &Global, a: &JoinArgs) -> Result<ExitCode> {
+pub fn join(global: &Global, r: &Resolved) -> Result<ExitCode> {
     init_logging(global);
-    let model = model_path(&ModelArg {
-        model: a.model.model.clone(),
-    })?;
-    let data_dir = match &a.data_dir {
+    for w in r.warnings() {
+        tracing::warn!("{w}");
+    }
+    let s = &r.settings;
+    let model = s.model.as_deref().context(
+        "no model to serve: give --model M, set DCD_MODEL, or put model = \"M\" in the config file",
+    )?;
+    let data_dir = match &s.data_dir {
         Some(d) => d.clone(),
         None => dc_model::store::data_dir()?,
     };
-    let mut cfg = NodeConfig::new(model, data_dir);
-    cfg.layers = if a.layers.trim() == "auto" {
-        LayerChoice::Auto
-    } else {
-        LayerChoice::Fixed(
-            a.layers
-                .parse()
-                .map_err(|e: String| anyhow::anyhow!("--layers: {e}"))?,
-        )
-    };
-    cfg.head = !a.no_head;
-    if !a.listen.is_empty() {
-        cfg.listen = a
-            .listen
-            .iter()
-            .map(|s| {
-                s.parse()
-                    .with_context(|| format!("--listen {s:?} is not a multiaddr"))
-            })
-            .collect::<Result<_>>()?;
-    }
-    cfg.bootstrap = a
-        .bootstrap
-        .iter()
-        .map(|s| {
-            s.parse()
-                .with_context(|| format!("--bootstrap {s:?} is not a multiaddr"))
-        })
-        .collect::<Result<_>>()?;
-    cfg.mdns = !a.no_mdns;
-    cfg.api = a.api;
-    cfg.api_token = a.api_token.clone().filter(|t| !t.is_empty());
-    cfg.max_memory = match &a.max_memory {
-        Some(s) => {
-            Some(dc_node::memory::parse_size(s).map_err(|e| anyhow::anyhow!("--max-memory: {e}"))?)
-        }
-        None => None,
-    };
-    cfg.kernel = Kernel::parse(&global.kernel).context("--kernel / DCD_KERNEL")?;
-    cfg.threads = global.threads.unwrap_or_else(default_threads);
-    if a.max_generations == 0 || a.max_generations > 1024 {
-        bail!("--max-generations must be 1 to 1024");
-    }
-    cfg.max_generations = a.max_generations;
-    cfg.announce_every = secs(a.announce_secs, "--announce-secs")?;
-    cfg.peer_timeout = cfg.announce_every * 5;
-    cfg.discovery_wait = cfg.announce_every + Duration::from_millis(500);
-    cfg.rebalance_every = secs(a.rebalance_secs, "--rebalance-secs")?;
-    cfg.selftest = !a.no_selftest;
-    if !(1 << 16..=1 << 30).contains(&a.max_message_bytes) {
-        bail!("--max-message-bytes must be between 64 KiB and 1 GiB");
-    }
-    cfg.max_message_bytes = a.max_message_bytes;
+    let model = dc_model::store::resolve_model(model, &data_dir)?;
+    let cfg = s
+        .node_config(model, data_dir)
+        .map_err(|e| anyhow::anyhow!(e))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -127,14 +73,16 @@ fn with_token<B>(req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
     }
 }
 
-/// GETs the status document.
-pub fn fetch_status(api: &str) -> Result<Value> {
+/// GETs the status document with `token` (if any), waiting at most `timeout`.
+pub fn fetch_status_as(api: &str, token: Option<&str>, timeout: Duration) -> Result<Value> {
     let url = api_url(api, "/status");
-    let mut resp = with_token(agent(Some(Duration::from_secs(10))).get(&url))
-        .call()
-        .with_context(|| {
-            format!("no daemon answers at {api}; start one with `dcd join --model <model>`")
-        })?;
+    let mut req = agent(Some(timeout)).get(&url);
+    if let Some(t) = token.filter(|t| !t.is_empty()) {
+        req = req.header("Authorization", &format!("Bearer {t}"));
+    }
+    let mut resp = req.call().with_context(|| {
+        format!("no daemon answers at {api}; start one with `dcd join --model <model>`")
+    })?;
     let text = resp
         .body_mut()
         .read_to_string()
@@ -145,39 +93,20 @@ pub fn fetch_status(api: &str) -> Result<Value> {
     serde_json::from_str(&text).context("the status is not JSON")
 }
 
-pub fn status(a: &StatusArgs) -> Result<ExitCode> {
-    let s = fetch_status(&a.api)?;
+pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
+    let api = match &a.api {
+        Some(u) if u.contains("://") => u.clone(),
+        Some(addr) => format!("http://{addr}"),
+        None => crate::config::api_url(r.settings.api),
+    };
+    let token = r.settings.api_token.as_deref();
+    let s = fetch_status_as(&api, token, Duration::from_secs(10))?;
     if a.json {
         println!("{s}");
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
-        "peer {} ({})",
-        s["peer_id"].as_str().unwrap_or("?"),
-        s["state"].as_str().unwrap_or("?")
-    );
-    println!(
-        "model {} (id {})",
-        s["model"].as_str().unwrap_or("?"),
-        s["model_id"].as_str().unwrap_or("?")
-    );
-    println!(
-        "layers {} of {}, head: {}",
-        s["layers"].as_str().unwrap_or("-"),
-        s["num_layers"],
-        s["head"]
-    );
-    println!("coverage {}", s["coverage"]);
-    for p in s["peers"].as_array().into_iter().flatten() {
-        println!(
-            "  peer {} layers {} head {} {}",
-            p["peer_id"].as_str().unwrap_or("?"),
-            p["layers"].as_str().unwrap_or("-"),
-            p["head"],
-            p["state"].as_str().unwrap_or("?")
-        );
-    }
-    Ok(ExitCode::SUCCESS)
+    let once = a.once || !std::io::IsTerminal::is_terminal(&std::io::stdout());
+    super::dashboard::run(&api, token, s, once)
 }
 
 pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
@@ -198,6 +127,12 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
     }
     if let Some(p) = a.top_p {
         body["top_p"] = json!(p);
+    }
+    if let Some(v) = &a.verify {
+        body["verify"] = json!(v);
+    }
+    if let Some(r) = a.audit_rate {
+        body["audit_rate"] = json!(r);
     }
     let url = api_url(api, "/generate");
     let resp = with_token(
@@ -224,6 +159,7 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
         .clone()
         .map(|v| json!(v))
         .unwrap_or(Value::Null);
+    let mut corrections: Vec<Value> = Vec::new();
     let mut line = String::new();
     loop {
         line.clear();
@@ -246,6 +182,22 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                 stdout.flush()?;
             }
             Some("token") => {}
+            Some("corrected") => {
+                if !a.json {
+                    writeln!(stdout)?;
+                    writeln!(
+                        stdout,
+                        "[peer {} was proven to lie; corrected from token {}:]",
+                        ev["liar"].as_str().unwrap_or("?"),
+                        ev["from"]
+                    )?;
+                    match ev["text"].as_str() {
+                        Some(t) => write!(stdout, "{t}")?,
+                        None => write!(stdout, "{}", ev["tokens"])?,
+                    }
+                }
+                corrections.push(ev.clone());
+            }
             Some("done") => {
                 if a.json {
                     let out = json!({
@@ -254,6 +206,7 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                         "text": ev["text"],
                         "stop": ev["stop"],
                         "final_logits": ev["final_logits"],
+                        "corrections": corrections,
                     });
                     writeln!(stdout, "{out}")?;
                 } else {
@@ -268,4 +221,58 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
             _ => bail!("unexpected event {line:?}"),
         }
     }
+}
+
+pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<ExitCode> {
+    use dc_model::{LoadOptions, Model};
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
+    let proof: dc_types::FraudProof = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a fraud proof", a.file.display()))?;
+    let path = super::model_path(&crate::cli::ModelArg {
+        model: a.model.clone(),
+    })?;
+    let data = dc_model::store::data_dir()?;
+    let model_id = dc_types::ModelId(dc_model::identity::cached_model_id(&path, &data)?);
+    let (cfg, _) = dc_model::model::open_source(&path)?;
+    let layer = dc_node::verify::proof_layer(&proof);
+    let model = match layer {
+        Some(l) if (l as usize) < cfg.num_layers => Some(Model::load(
+            &path,
+            &LoadOptions {
+                layers: Some(l as usize..l as usize + 1),
+                head: false,
+            },
+        )?),
+        Some(l) => bail!(
+            "the proof names layer {l}, but the model has {}",
+            cfg.num_layers
+        ),
+        None => None,
+    };
+    let gemm = super::engine(global)?;
+    let verdict = dc_node::verify::verify_proof(&proof, model_id, &cfg, model.as_ref(), &gemm);
+    let id = dc_node::verify::proof_id(&proof);
+    if a.json {
+        println!(
+            "{}",
+            json!({"valid": verdict.is_ok(), "proof_id": id.to_hex(), "accused": proof.accused, "reason": verdict.as_ref().err()})
+        );
+    } else {
+        match &verdict {
+            Ok(()) => println!(
+                "valid: peer {} signed a wrong statement (proof {id}{})",
+                proof.accused,
+                layer
+                    .map(|l| format!(", re-ran layer {l}"))
+                    .unwrap_or_default()
+            ),
+            Err(e) => println!("invalid: {e}"),
+        }
+    }
+    Ok(if verdict.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

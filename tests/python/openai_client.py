@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Checks dcd's OpenAI-compatible API with the official `openai` Python client.
+
+Run by tests/tests/openai_api.rs against a real daemon:
+
+    python3 tests/python/openai_client.py '<config json>'
+
+The config gives `api` (the control API's base URL), `model` (the name /v1/models must list),
+`chat_messages` and `chat_prompt_ids` (those messages rendered with the model's chat template
+and tokenized by the Rust side, so that a chat completion can be compared with a completion of
+exactly those ids). Prints one JSON summary on stdout and exits 1 if any check failed, 2 on
+bad usage, 3 if the `openai` package is missing.
+"""
+
+import json
+import sys
+import traceback
+
+try:
+    import openai
+    from openai import OpenAI
+except ImportError:
+    print(json.dumps({"ok": False, "error": "the Python package openai is not installed"}))
+    sys.exit(3)
+
+
+class Checks:
+    """Collects named checks; a section that raises fails as a whole and the rest still run."""
+
+    def __init__(self):
+        self.results = []
+
+    def check(self, name, ok, detail=""):
+        self.results.append({"name": name, "ok": bool(ok), "detail": str(detail)[:2000]})
+        return bool(ok)
+
+    def section(self, name, fn):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - any failure is a failed check, reported
+            self.check(name, False, traceback.format_exc()[-2000:])
+
+    def ok(self):
+        return bool(self.results) and all(r["ok"] for r in self.results)
+
+
+def chat_stream(client, **kw):
+    """Concatenated content, finish reason, first delta's role and usage of a streamed chat."""
+    text, finish, role, usage, chunks = "", None, None, None, 0
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        if c.delta.role and role is None:
+            role = c.delta.role
+        if c.delta.content:
+            text += c.delta.content
+        if c.finish_reason:
+            finish = c.finish_reason
+    return text, finish, role, usage, chunks
+
+
+def completion_stream(client, **kw):
+    """Concatenated text, finish reason and usage of a streamed completion."""
+    text, finish, usage = "", None, None
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        text += c.text or ""
+        if c.finish_reason:
+            finish = c.finish_reason
+    return text, finish, usage
+
+
+def usage_adds_up(u):
+    return u is not None and u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    cfg = json.loads(sys.argv[1])
+    model = cfg["model"]
+    messages = cfg["chat_messages"]
+    chat_ids = cfg["chat_prompt_ids"]
+    # No retries: a refused request must show, not be hidden by the client's backoff.
+    client = OpenAI(base_url=f"{cfg['api']}/v1", api_key="unused", max_retries=0, timeout=600)
+    c = Checks()
+    texts = {}
+
+    def models():
+        listed = client.models.list()
+        ids = [m.id for m in listed.data]
+        c.check("models.list names the model", ids == [model], ids)
+        m = listed.data[0]
+        extra = m.model_extra or {}
+        c.check("model has owned_by", isinstance(m.owned_by, str) and m.owned_by, m.owned_by)
+        c.check("model has created", isinstance(m.created, int) and m.created > 0, m.created)
+        mid = extra.get("model_id", "")
+        c.check(
+            "model has the DaisyChain model id",
+            isinstance(mid, str) and len(mid) == 64 and all(ch in "0123456789abcdef" for ch in mid),
+            mid,
+        )
+        c.check("models.retrieve", client.models.retrieve(model).id == model)
+
+    def chat():
+        kw = dict(model=model, messages=messages, temperature=0, max_tokens=24)
+        a = client.chat.completions.create(**kw)
+        ch = a.choices[0]
+        texts["chat"] = ch.message.content
+        c.check("chat object", a.object == "chat.completion", a.object)
+        c.check("chat id", a.id.startswith("chatcmpl-"), a.id)
+        c.check("chat model", a.model == model, a.model)
+        c.check("chat one choice", len(a.choices) == 1, len(a.choices))
+        c.check("chat role", ch.message.role == "assistant", ch.message.role)
+        c.check("chat text", isinstance(ch.message.content, str) and ch.message.content.strip(), ch.message.content)
+        c.check("chat finish_reason", ch.finish_reason in ("stop", "length"), ch.finish_reason)
+        c.check("chat usage adds up", usage_adds_up(a.usage), a.usage)
+        c.check("chat prompt_tokens", a.usage.prompt_tokens == len(chat_ids), (a.usage.prompt_tokens, len(chat_ids)))
+        n = a.usage.completion_tokens
+        c.check(
+            "chat completion_tokens",
+            0 < n <= 24 and (ch.finish_reason != "length" or n == 24),
+            (n, ch.finish_reason),
+        )
+        b = client.chat.completions.create(**kw)
+        c.check("chat greedy is deterministic", b.choices[0].message.content == ch.message.content,
+                (b.choices[0].message.content, ch.message.content))
+        text, finish, role, usage, chunks = chat_stream(client, stream_options={"include_usage": True}, **kw)
+        c.check("chat stream equals non-streaming", text == ch.message.content, (text, ch.message.content))
+        c.check("chat stream finish_reason", finish == ch.finish_reason, (finish, ch.finish_reason))
+        c.check("chat stream role", role == "assistant", role)
+        c.check("chat stream has several chunks", chunks > 2, chunks)
+        c.check(
+            "chat stream usage",
+            usage is not None and usage.model_dump() == a.usage.model_dump(),
+            (usage, a.usage),
+        )
+        # The chat template, rendered by the Rust side: a completion of those ids is the same
+        # generation.
+        d = client.completions.create(model=model, prompt=chat_ids, temperature=0, max_tokens=24)
+        c.check("chat equals completion of the rendered template", d.choices[0].text == ch.message.content,
+                (d.choices[0].text, ch.message.content))
+        c.check("token-id prompt_tokens", d.usage.prompt_tokens == len(chat_ids), d.usage)
+
+    def completions():
+        kw = dict(model=model, prompt="The three primary colours are", temperature=0, max_tokens=32)
+        a = client.completions.create(**kw)
+        ch = a.choices[0]
+        texts["completion"] = ch.text
+        c.check("completion object", a.object == "text_completion", a.object)
+        c.check("completion id", a.id.startswith("cmpl-"), a.id)
+        c.check("completion text", isinstance(ch.text, str) and ch.text.strip(), ch.text)
+        c.check("completion finish_reason", ch.finish_reason in ("stop", "length"), ch.finish_reason)
+        c.check("completion usage adds up", usage_adds_up(a.usage), a.usage)
+        c.check("completion prompt_tokens", a.usage.prompt_tokens > 0, a.usage)
+        b = client.completions.create(**kw)
+        c.check("completion greedy is deterministic", b.choices[0].text == ch.text, (b.choices[0].text, ch.text))
+        text, finish, usage = completion_stream(client, stream_options={"include_usage": True}, **kw)
+        c.check("completion stream equals non-streaming", text == ch.text, (text, ch.text))
+        c.check("completion stream finish_reason", finish == ch.finish_reason, (finish, ch.finish_reason))
+        c.check("completion stream usage", usage is not None and usage.model_dump() == a.usage.model_dump(),
+                (usage, a.usage))
+        # The same prompt as a one-element list.
+        e = client.completions.create(model=model, prompt=[kw["prompt"]], temperature=0, max_tokens=32)
+        c.check("completion prompt as a list", e.choices[0].text == ch.text, e.choices[0].text)
+
+    def max_tokens():
+        a = client.completions.create(model=model, prompt="Once upon a time", temperature=0, max_tokens=5)
+        ch = a.choices[0]
+        c.check("max_tokens gives finish_reason length", ch.finish_reason == "length", ch.finish_reason)
+        c.check("max_tokens bounds completion_tokens", a.usage.completion_tokens == 5, a.usage)
+        text, finish = chat_stream(client, model=model, messages=messages, temperature=0, max_tokens=3)[:2]
+        c.check("chat stream max_tokens gives length", finish == "length", (text, finish))
+
+    def stop_strings():
+        kw = dict(model=model, prompt="Once upon a time", temperature=0)
+        full = client.completions.create(max_tokens=40, **kw).choices[0].text
+        texts["story"] = full
+        # A stop string from the second half of the greedy text: the same generation must stop
+        # at its first occurrence, cut just before it.
+        if not c.check("stop: the story is long enough", len(full) >= 40, full):
+            return
+        k = len(full) // 2
+        stop = full[k:k + 4]
+        expected = full[: full.index(stop)]
+        a = client.completions.create(max_tokens=40, stop=stop, **kw)
+        ch = a.choices[0]
+        c.check("stop cuts the text", ch.text == expected, (stop, ch.text, expected))
+        c.check("stop gives finish_reason stop", ch.finish_reason == "stop", ch.finish_reason)
+        c.check("stop ends generation early", a.usage.completion_tokens < 40, a.usage)
+        b = client.completions.create(max_tokens=40, stop=["never-in-this-text", stop], **kw)
+        c.check("stop list", b.choices[0].text == expected, b.choices[0].text)
+        text, finish, _ = completion_stream(client, max_tokens=40, stop=[stop], **kw)
+        c.check("stop while streaming", text == expected and finish == "stop", (text, finish))
+        chat = texts.get("chat") or ""
+        if len(chat) >= 8:
+            s2 = chat[len(chat) // 2:len(chat) // 2 + 3]
+            d = client.chat.completions.create(
+                model=model, messages=messages, temperature=0, max_tokens=24, stop=[s2])
+            c.check("chat stop", d.choices[0].message.content == chat[: chat.index(s2)]
+                    and d.choices[0].finish_reason == "stop", (s2, d.choices[0].message.content))
+
+    def seeds():
+        kw = dict(model=model, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+                  temperature=0.9, max_tokens=16)
+        a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+        b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+        c.check("seed reproduces", a == b, (a, b))
+        s = chat_stream(client, seed=1234, **kw)[0]
+        c.check("seed reproduces when streaming", s == a, (s, a))
+        others = {client.chat.completions.create(seed=seed, **kw).choices[0].message.content for seed in (1, 2, 3)}
+        others.add(a)
+        c.check("different seeds sample differently", len(others) > 1, others)
+        p = client.completions.create(model=model, prompt="My favourite food is", temperature=1.0, top_p=0.9,
+                                      seed=-5, max_tokens=12).choices[0].text
+        q = client.completions.create(model=model, prompt="My favourite food is", temperature=1.0, top_p=0.9,
+                                      seed=-5, max_tokens=12).choices[0].text
+        c.check("negative seed and top_p reproduce", p == q, (p, q))
+
+    def errors():
+        try:
+            client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=2)
+            c.check("n=2 is refused", False, "no error")
+        except openai.BadRequestError as e:
+            c.check("n=2 is refused", e.status_code == 400 and e.param == "n", (e.status_code, e.body))
+        try:
+            client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+            c.check("unknown model is refused", False, "no error")
+        except openai.NotFoundError as e:
+            c.check("unknown model is refused", e.code == "model_not_found", e.body)
+        try:
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=2,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+            c.check("tools are refused", False, "no error")
+        except openai.BadRequestError as e:
+            c.check("tools are refused", e.param == "tools", e.body)
+
+    def client_goes_away():
+        # Read a few chunks of a long stream, then hang up: the daemon must drop the
+        # generation (the Rust side then checks that nothing stays active) and keep serving.
+        stream = client.completions.create(model=model, prompt="Once upon a time", temperature=0,
+                                           max_tokens=200, stream=True)
+        got = 0
+        for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        stream.close()
+        c.check("hang up mid-stream", got == 3, got)
+        a = client.completions.create(model=model, prompt="Hello", temperature=0, max_tokens=2)
+        c.check("serves after a hang-up", a.usage.completion_tokens >= 1, a.usage)
+
+    for name, fn in [
+        ("models", models),
+        ("chat", chat),
+        ("completions", completions),
+        ("max_tokens", max_tokens),
+        ("stop", stop_strings),
+        ("seed", seeds),
+        ("errors", errors),
+        ("client goes away", client_goes_away),
+    ]:
+        c.section(name, fn)
+
+    summary = {"ok": c.ok(), "openai_version": openai.__version__, "checks": c.results, "texts": texts}
+    print(json.dumps(summary))
+    sys.exit(0 if summary["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

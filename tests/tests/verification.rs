@@ -1,0 +1,232 @@
+//! Verification end to end with real daemons: each kind of lie is caught by an audit, proven,
+//! and the liar excluded by the head and by every peer that checks the gossiped proof; the
+//! client's tokens end up equal to the local run (corrected if needed); `--verify all` never
+//! releases a wrong token; honest swarms never fail an audit; `dcd verify-proof` accepts the
+//! proof and rejects forgeries.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::path::Path;
+use std::time::Duration;
+
+use dc_tests::*;
+use serde_json::Value;
+
+const PROMPT: &str = "5,17,99,3,250,41,7,0,12";
+
+fn local(model: &Path, max_new: &str, seed: &str, t: &str) -> Value {
+    generate_json(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        max_new,
+        "--ignore-eos",
+        "--seed",
+        seed,
+        "--temperature",
+        t,
+    ])
+}
+
+fn through(api: &str, extra: &[&str], max_new: &str, seed: &str, t: &str) -> Value {
+    let mut args = vec![
+        "--api",
+        api,
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        max_new,
+        "--ignore-eos",
+        "--seed",
+        seed,
+        "--temperature",
+        t,
+    ];
+    args.extend_from_slice(extra);
+    generate_json(&args)
+}
+
+/// Whether `d` sees `n` peers, all serving (a peer still loading is not in any route).
+fn sees_serving(d: &Daemon, n: usize) -> bool {
+    let status = d.status();
+    let peers = status["peers"].as_array().unwrap();
+    peers.len() == n && peers.iter().all(|p| p["state"] == "serving")
+}
+
+fn excluded(d: &Daemon) -> Vec<String> {
+    d.status()["excluded_peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["peer_id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// A head over layers 0..2, an honest stage and a liar both serving 2..4 (the liar announces a
+/// huge throughput, so routes pick it).
+fn swarm_with_liar(dir: &Path, model: &Path, fault: &str) -> (Daemon, Daemon, Daemon) {
+    let a = Daemon::start(
+        dir,
+        "head",
+        model,
+        &["--layers", "0..2", "--audit-rate", "1"],
+    );
+    let b = Daemon::start(
+        dir,
+        "honest",
+        model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
+    );
+    let l = Daemon::start_with_env(
+        dir,
+        "liar",
+        model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
+        &[("DCD_FAULT", fault)],
+    );
+    wait_until("everyone to see everyone", Duration::from_secs(30), || {
+        sees_serving(&a, 2) && sees_serving(&b, 2)
+    });
+    (a, b, l)
+}
+
+#[test]
+fn every_kind_of_lie_is_caught_proven_and_excluded() {
+    let model = fixtures().join("llama");
+    for fault in ["flip-bit", "skip-layer", "other-weights", "stale:0.5"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, l) = swarm_with_liar(dir.path(), &model, fault);
+        let want = local(&model, "10", "3", "0.7");
+        let got = through(&a.api, &[], "10", "3", "0.7");
+        // The client ends with the honest tokens and final logits.
+        assert_eq!(got["tokens"], want["tokens"], "{fault}");
+        assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
+        assert_eq!(
+            excluded(&a),
+            vec![l.peer_id.clone()],
+            "{fault}: the head excludes the liar"
+        );
+        // The honest stage fetches the gossiped proof, checks it itself, and excludes too.
+        wait_until(
+            "the honest peer to exclude the liar",
+            Duration::from_secs(30),
+            || excluded(&b) == vec![l.peer_id.clone()],
+        );
+        let audits = &a.status()["audits"];
+        assert!(audits["failed"].as_u64().unwrap() >= 1, "{fault}: {audits}");
+        // The liar is out of every route: the next generation never touches it.
+        let hops_before = l.status()["hops_served"].as_u64().unwrap();
+        let again = through(&a.api, &[], "6", "1", "0");
+        assert_eq!(again["tokens"], local(&model, "6", "1", "0")["tokens"]);
+        assert_eq!(
+            l.status()["hops_served"].as_u64().unwrap(),
+            hops_before,
+            "{fault}: routes avoid the liar"
+        );
+        // The proof file verifies with anyone's copy of the weights.
+        let proofs: Vec<_> = std::fs::read_dir(a.data.join("proofs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(proofs.len(), 1, "{fault}");
+        let out = run_dcd(&[
+            "verify-proof",
+            proofs[0].to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+        ]);
+        assert!(out.starts_with("valid"), "{fault}: {out}");
+        drop((a, b, l));
+    }
+}
+
+#[test]
+fn verify_all_releases_only_checked_tokens() {
+    let model = fixtures().join("gpt2");
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _b, l) = swarm_with_liar(dir.path(), &model, "flip-bit:0.3");
+    // A second honest peer for 2..4, so every hop still has a second peer once the liar is out.
+    let b2 = Daemon::start(
+        dir.path(),
+        "honest2",
+        &model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
+    );
+    wait_until("the second honest peer", Duration::from_secs(30), || {
+        sees_serving(&a, 3)
+    });
+    let got = through(&a.api, &["--verify", "all"], "12", "9", "0.9");
+    let want = local(&model, "12", "9", "0.9");
+    assert_eq!(got["tokens"], want["tokens"]);
+    assert_eq!(got["final_logits"], want["final_logits"]);
+    // Nothing wrong was ever sent, so nothing needed correcting.
+    assert_eq!(got["corrections"], serde_json::json!([]), "{got}");
+    assert_eq!(excluded(&a), vec![l.peer_id.clone()]);
+    drop(b2);
+}
+
+#[test]
+fn honest_swarms_never_fail_an_audit() {
+    let model = fixtures().join("mistral");
+    let dir = tempfile::tempdir().unwrap();
+    // Two heads, each with a twin for its own half and a remote other half: every hop a head
+    // sends out has a second peer to audit it.
+    let a = Daemon::start(
+        dir.path(),
+        "a",
+        &model,
+        &["--layers", "0..2", "--audit-rate", "1"],
+    );
+    let b = Daemon::start(
+        dir.path(),
+        "b",
+        &model,
+        &[
+            "--layers",
+            "2..4",
+            "--bootstrap",
+            &a.addr,
+            "--audit-rate",
+            "1",
+        ],
+    );
+    let c = Daemon::start(
+        dir.path(),
+        "c",
+        &model,
+        &["--layers", "0..2", "--no-head", "--bootstrap", &a.addr],
+    );
+    let d = Daemon::start(
+        dir.path(),
+        "d",
+        &model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
+    );
+    wait_until("the swarm", Duration::from_secs(30), || {
+        sees_serving(&a, 3) && sees_serving(&b, 3)
+    });
+    for seed in 0..6 {
+        let s = seed.to_string();
+        // 30 positions: past Mistral's window of 16.
+        let got = through(
+            if seed % 2 == 0 { &a.api } else { &b.api },
+            &[],
+            "21",
+            &s,
+            "1.0",
+        );
+        assert_eq!(got["tokens"], local(&model, "21", &s, "1.0")["tokens"]);
+    }
+    let (mut run, mut failed) = (0, 0);
+    for d in [&a, &b] {
+        let au = &d.status()["audits"];
+        run += au["run"].as_u64().unwrap();
+        failed += au["failed"].as_u64().unwrap();
+        assert!(excluded(d).is_empty());
+    }
+    assert!(run > 20, "audits must actually run: {run}");
+    assert_eq!(failed, 0, "an honest swarm never fails an audit");
+    drop((c, d));
+}
