@@ -42,6 +42,10 @@ pub fn is_store_name(name: &str) -> bool {
 /// or exactly one `.gguf` file.
 pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
     let p = PathBuf::from(arg);
+    if p.is_dir() {
+        // A folder given by path follows the store's rule too (a store entry copied elsewhere).
+        return model_in_folder(arg, p);
+    }
     if p.exists() {
         return Ok(p);
     }
@@ -57,6 +61,11 @@ pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
             models_dir(data_dir).display()
         )));
     }
+    model_in_folder(arg, dir)
+}
+
+/// The model a folder holds: the folder itself for an HF checkpoint, else its one GGUF file.
+fn model_in_folder(arg: &str, dir: PathBuf) -> Result<PathBuf> {
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }
@@ -83,4 +92,51 @@ pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
 pub fn installed_smollm2() -> Option<PathBuf> {
     let dir = data_dir().ok()?;
     resolve_model("smollm2-135m", &dir).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_folders_resolve_to_the_model_they_hold() {
+        let data = tempfile::tempdir().unwrap();
+        let entry = models_dir(data.path()).join("tiny");
+        std::fs::create_dir_all(&entry).unwrap();
+        let missing = resolve_model("tiny", data.path()).unwrap_err().to_string();
+        assert!(
+            missing.contains("neither config.json nor a .gguf"),
+            "{missing}"
+        );
+
+        std::fs::write(entry.join("tiny.gguf"), b"").unwrap();
+        let gguf = entry.join("tiny.gguf");
+        assert_eq!(resolve_model("tiny", data.path()).unwrap(), gguf);
+        // The same folder given by path, and the file itself.
+        assert_eq!(
+            resolve_model(entry.to_str().unwrap(), data.path()).unwrap(),
+            gguf
+        );
+        assert_eq!(
+            resolve_model(gguf.to_str().unwrap(), data.path()).unwrap(),
+            gguf
+        );
+
+        std::fs::write(entry.join("other.gguf"), b"").unwrap();
+        let several = resolve_model("tiny", data.path()).unwrap_err().to_string();
+        assert!(several.contains("several .gguf"), "{several}");
+
+        // An HF folder is itself the model.
+        std::fs::write(entry.join("config.json"), b"{}").unwrap();
+        assert_eq!(resolve_model("tiny", data.path()).unwrap(), entry);
+
+        let absent = resolve_model("nothing-here", data.path())
+            .unwrap_err()
+            .to_string();
+        assert!(absent.contains("not installed"), "{absent}");
+        let bad = resolve_model("../escape", data.path())
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("no such file or folder"), "{bad}");
+    }
 }

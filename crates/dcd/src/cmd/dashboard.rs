@@ -472,6 +472,8 @@ fn audits_line(a: &Value) -> Line<'static> {
                     .unwrap_or(3)
             };
             keys.sort_by_key(|k| (rank(k), (*k).clone()));
+            // Per-peer tallies are a table, not a counter (a proven liar is listed as excluded).
+            keys.retain(|k| !o[*k].is_object() && !o[*k].is_array());
             for (i, k) in keys.into_iter().enumerate() {
                 if i > 0 {
                     spans.push(Span::raw(" · "));
@@ -1038,11 +1040,16 @@ mod tests {
     #[test]
     fn audits_and_excluded_peers_show_when_present() {
         let mut s = sample();
-        s["audits"] = json!({"run": 12, "passed": 11, "failed": 1});
+        s["audits"] = json!({"run": 12, "passed": 11, "failed": 1, "per_peer": {
+            A: {"run": 6, "passed": 6, "failed": 0},
+            B: {"run": 6, "passed": 5, "failed": 1},
+        }});
         s["excluded_peers"] = json!([{"peer_id": B, "reason": "fraud proof"}]);
         let (t, _) = draw(&s, &View::default(), 140, 40);
         let text = screen(&t);
         assert!(text.contains("run 12 · passed 11 · failed 1"), "{text}");
+        // The per-peer table is not dumped into the counters.
+        assert!(!text.contains("per_peer"), "{text}");
         assert!(text.contains("1 peers"), "{text}");
         assert!(
             text.contains(&format!("{}: fraud proof", short_id(B))),

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Everything the test suite needs beyond cargo: the SmolLM2 model (scripts/fetch-model.sh) and
+# the official `openai` Python client, which the OpenAI-API test drives against a real daemon.
+#
+#   scripts/setup-tests.sh && cargo test --workspace --release --locked
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Keep in step with OPENAI_PIN in tests/tests/openai_api.rs.
+OPENAI_PIN="openai==3.57.0"
+
+scripts/fetch-model.sh
+if ! python3 -c 'import openai, sys; sys.exit(openai.__version__ != sys.argv[1])' "${OPENAI_PIN#openai==}" 2>/dev/null; then
+    python3 -m pip install --quiet --disable-pip-version-check "$OPENAI_PIN"
+fi
