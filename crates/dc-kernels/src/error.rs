@@ -39,6 +39,10 @@ pub enum KernelError {
     /// A kernel was requested that this CPU (or this build) cannot run.
     #[error("kernel {0} is not supported on this CPU")]
     Unsupported(&'static str),
+    /// Stored packed weights (a cache file) that are not what [`crate::PackedWeights::to_bytes`]
+    /// wrote.
+    #[error("stored packed weights rejected: {0}")]
+    Stored(String),
     /// A kernel or thread setting could not be parsed.
     #[error("invalid {what} {value:?}: {why}")]
     Invalid {

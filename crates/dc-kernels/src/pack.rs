@@ -238,6 +238,134 @@ impl PackedWeights {
     }
 }
 
+/// Leads every stored packing; the digit is the format version.
+const STORED_MAGIC: &[u8; 8] = b"DCPACK01";
+
+impl PackedWeights {
+    /// The packing as bytes, for a cache that spares a restart the quantisation:
+    /// `"DCPACK01"`, `k` and `n` (u64 LE), the panel records, the block exponents (i16 LE) and a
+    /// blake3 checksum of all that. [`PackedWeights::from_bytes`] reads it back.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(24 + self.data.len() + 2 * self.col_exp.len() + 32);
+        out.extend_from_slice(STORED_MAGIC);
+        out.extend_from_slice(&(self.k as u64).to_le_bytes());
+        out.extend_from_slice(&(self.n as u64).to_le_bytes());
+        out.extend_from_slice(self.data.as_slice());
+        for e in &self.col_exp {
+            out.extend_from_slice(&e.to_le_bytes());
+        }
+        let sum = blake3::hash(&out);
+        out.extend_from_slice(sum.as_bytes());
+        out
+    }
+
+    /// Reads [`PackedWeights::to_bytes`]'s output back, refusing anything it could not have
+    /// written: a wrong checksum, lengths or header, scales outside `[128, 255]`, `-128`
+    /// elements, shifts that disagree with the exponents, non-zero padding. The per-column and
+    /// per-panel facts the kernels trust are recomputed, never read.
+    pub fn from_bytes(bytes: &[u8]) -> Result<PackedWeights> {
+        let bad = |why: String| KernelError::Stored(why);
+        if bytes.len() < 24 + 32 || &bytes[..8] != STORED_MAGIC {
+            return Err(bad("not a DCPACK01 file".into()));
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - 32);
+        if blake3::hash(body).as_bytes() != sum {
+            return Err(bad("checksum mismatch".into()));
+        }
+        let word = |o: usize| u64::from_le_bytes(body[o..o + 8].try_into().unwrap_or([0; 8]));
+        let (k, n) = (word(8), word(16));
+        let too_big = || bad(format!("{k} × {n} does not fit this file"));
+        let (k, n) = (
+            usize::try_from(k).map_err(|_| too_big())?,
+            usize::try_from(n).map_err(|_| too_big())?,
+        );
+        if k == 0 || n == 0 {
+            return Err(bad(format!("empty shape {k} × {n}")));
+        }
+        let blocks = k.div_ceil(BLOCK);
+        let panels = n.div_ceil(PANEL);
+        let n_pad = panels * PANEL;
+        let data_len = panels
+            .checked_mul(blocks)
+            .and_then(|x| x.checked_mul(RECORD))
+            .ok_or_else(too_big)?;
+        let exp_len = n_pad.checked_mul(blocks).ok_or_else(too_big)?;
+        if body.len() != 24 + data_len + 2 * exp_len {
+            return Err(too_big());
+        }
+        let data = &body[24..24 + data_len];
+        let col_exp: Vec<i16> = body[24 + data_len..]
+            .chunks_exact(2)
+            .map(|c| i16::from_le_bytes([c[0], c[1]]))
+            .collect();
+
+        let mut col_exp_min = vec![BlockScale::ZERO_BLOCK.e as i32; n_pad];
+        let mut col_fast = vec![true; n_pad];
+        for j in 0..n_pad {
+            let es = &col_exp[j * blocks..(j + 1) * blocks];
+            if j >= n {
+                if es.iter().any(|&e| e != BlockScale::ZERO_BLOCK.e) {
+                    return Err(bad(format!("padding column {j} has exponents")));
+                }
+                continue;
+            }
+            let lo = es.iter().map(|&e| e as i32).min().unwrap_or(0);
+            let hi = es.iter().map(|&e| e as i32).max().unwrap_or(0);
+            col_exp_min[j] = lo;
+            col_fast[j] = hi - lo <= COL_SPAN_FAST && lo >= -EXP_FAST && hi <= EXP_FAST;
+        }
+        let mut panel_meta = Vec::with_capacity(panels);
+        for p in 0..panels {
+            let mut meta = PanelMeta {
+                fast: (0..PANEL).all(|c| col_fast[p * PANEL + c]),
+                bound: 0,
+            };
+            for b in 0..blocks {
+                let rec = &data[(p * blocks + b) * RECORD..(p * blocks + b + 1) * RECORD];
+                if rec[..RECORD_Q].contains(&0x80) {
+                    return Err(bad(format!("panel {p}, block {b}: an element is -128")));
+                }
+                for c in 0..PANEL {
+                    let j = p * PANEL + c;
+                    let (m, shift) = (rec[RECORD_Q + c], rec[RECORD_Q + PANEL + shift_slot(c)]);
+                    let (want_m_ok, want_shift) = if j < n {
+                        let e = col_exp[j * blocks + b] as i32;
+                        (m >= 128, (e - col_exp_min[j]).min(255) as u8)
+                    } else {
+                        let zero = (0..BLOCK / 4).all(|kg| rec[kg * 64 + c * 4..][..4] == [0; 4]);
+                        (m == BlockScale::ZERO_BLOCK.m && zero, 0)
+                    };
+                    if !want_m_ok || shift != want_shift {
+                        return Err(bad(format!("column {j}, block {b}: inconsistent scale")));
+                    }
+                    // The tail of the last block beyond k is zero padding.
+                    if j < n && b == blocks - 1 && k % BLOCK != 0 {
+                        let tail =
+                            (k % BLOCK..BLOCK).any(|i| rec[(i / 4) * 64 + c * 4 + i % 4] != 0);
+                        if tail {
+                            return Err(bad(format!("column {j}: padding beyond k = {k}")));
+                        }
+                    }
+                    if meta.fast && j < n {
+                        meta.bound = meta.bound.max((127 * m as u64) << shift);
+                    }
+                }
+            }
+            panel_meta.push(meta);
+        }
+        Ok(PackedWeights {
+            k,
+            n,
+            blocks,
+            panels,
+            data: AlignedBytes::from_slice(data),
+            col_exp,
+            col_exp_min,
+            panel_meta,
+        })
+    }
+}
+
 /// Position of column `c`'s shift byte: even columns first, then odd ones, matching the lanes
 /// `vpmuldq` reads (even i32 lanes) and the lanes left after a 32-bit shift (odd ones).
 pub(crate) fn shift_slot(c: usize) -> usize {

@@ -259,3 +259,100 @@ fn products_from_inside_the_pool_and_from_many_threads_agree() {
         });
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A packing read back from its stored bytes (the weight cache) is the same packing: the
+    /// same records, scales and per-panel facts, hence the same bits from every kernel.
+    #[test]
+    fn stored_packings_read_back_bit_for_bit(
+        m in 1usize..5,
+        k in 1usize..200,
+        n in 1usize..50,
+        sw in style(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = matrix(&mut rng, m, k, Style::Normal);
+        let w = matrix(&mut rng, n, k, sw);
+        let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
+        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
+        let bytes = qw.to_bytes();
+        let back = PackedWeights::from_bytes(&bytes).unwrap();
+        prop_assert_eq!(back.to_bytes(), bytes.clone());
+        for p in 0..qw.panels() {
+            prop_assert_eq!(back.panel_meta(p), qw.panel_meta(p));
+        }
+        for j in 0..n {
+            prop_assert_eq!(back.col_exp_min(j), qw.col_exp_min(j));
+        }
+        for kernel in Kernel::supported() {
+            let g = Gemm::new(kernel, 2).unwrap();
+            let (a, _) = run(&g, &qx, &qw);
+            let (b, _) = run(&g, &qx, &back);
+            prop_assert_eq!(a, b, "{}", kernel);
+        }
+        // Any flipped byte is refused (the checksum, or the header it guards).
+        let at = (seed as usize) % bytes.len();
+        let mut bad = bytes.clone();
+        bad[at] ^= 1 << (seed % 8);
+        prop_assert!(PackedWeights::from_bytes(&bad).is_err());
+        prop_assert!(PackedWeights::from_bytes(&bytes[..bytes.len() - 1]).is_err());
+    }
+}
+
+/// Re-seals `body` with a valid checksum, as a hostile or buggy writer could.
+fn sealed(mut body: Vec<u8>) -> Vec<u8> {
+    body.truncate(body.len() - 32);
+    let sum = blake3::hash(&body);
+    body.extend_from_slice(sum.as_bytes());
+    body
+}
+
+#[test]
+fn stored_packings_that_break_the_layout_rules_are_refused_even_with_a_good_checksum() {
+    let mut rng = SplitMix64::new(7);
+    let (k, n) = (40, 20); // a partial last block and a padded last panel
+    let w = matrix(&mut rng, n, k, Style::Normal);
+    let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
+    let good = qw.to_bytes();
+    assert!(PackedWeights::from_bytes(&good).is_ok());
+    let record = 544;
+    let blocks = 2;
+    let cases: [(&str, usize, u8); 4] = [
+        // An element of -128.
+        ("-128", 24, 0x80),
+        // A scale mantissa below 128 (column 0, block 0).
+        ("scale", 24 + 512, 5),
+        // A shift that disagrees with the exponents (column 0, block 0).
+        ("inconsistent", 24 + 528, 77),
+        // Data in the padding of the second panel (column 16 + 4 = 20 >= n), block 0.
+        ("inconsistent", 24 + blocks * record + 4 * 4, 3),
+    ];
+    for (what, at, v) in cases {
+        let mut bytes = good.clone();
+        bytes[at] = v;
+        let err = PackedWeights::from_bytes(&sealed(bytes))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(what), "{what}: {err}");
+    }
+    // Elements beyond k in the last block (k = 40: element 8 of block 1, column 0).
+    let mut bytes = good.clone();
+    bytes[24 + record + (8 / 4) * 64] = 1;
+    let err = PackedWeights::from_bytes(&sealed(bytes))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("padding beyond k"), "{err}");
+    // Header: wrong magic, a shape that does not match the length.
+    let mut bytes = good.clone();
+    bytes[0] = b'X';
+    assert!(PackedWeights::from_bytes(&sealed(bytes)).is_err());
+    let mut bytes = good.clone();
+    bytes[16] = 40;
+    let err = PackedWeights::from_bytes(&sealed(bytes))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not fit"), "{err}");
+}

@@ -18,6 +18,7 @@ pub mod sampling;
 pub mod source;
 pub mod store;
 pub mod tokenizer;
+pub mod weight_cache;
 /// What a stage commits to for one hop (defined in `dc-types`, shared with the network).
 pub use dc_types::trace;
 pub mod weights;

@@ -19,6 +19,7 @@ use crate::error::{ModelError, Result};
 use crate::hf::{read_json, SafetensorsSource};
 use crate::source::TensorSource;
 use crate::trace::{HopTrace, Point};
+use crate::weight_cache::WeightCache;
 use crate::weights::{check_range, load_head, load_layer, Head, Layer, Mlp, Norm};
 
 /// Activations crossing a stage boundary: `rows` consecutive positions starting at `start`,
@@ -152,6 +153,8 @@ pub struct LoadOptions {
     pub layers: Option<Range<usize>>,
     /// Whether to load the head weights (embeddings, final norm, output projection).
     pub head: bool,
+    /// The data directory whose weight cache to use (`None`: quantise without caching).
+    pub cache_in: Option<PathBuf>,
 }
 
 impl Default for LoadOptions {
@@ -159,6 +162,7 @@ impl Default for LoadOptions {
         LoadOptions {
             layers: None,
             head: true,
+            cache_in: None,
         }
     }
 }
@@ -214,13 +218,27 @@ impl Model {
     /// Loads the layers and head weights `opts` asks for.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model> {
         let (config, src) = open_source(path)?;
-        Self::from_source(config, src.as_ref(), opts)
+        let cache = match &opts.cache_in {
+            Some(data_dir) => Some(WeightCache::for_model(path, data_dir)?),
+            None => None,
+        };
+        Self::from_source_cached(config, src.as_ref(), cache.as_ref(), opts)
     }
 
-    /// Loads from an already opened source.
+    /// Loads from an already opened source (without the weight cache).
     pub fn from_source(
         config: ModelConfig,
         src: &dyn TensorSource,
+        opts: &LoadOptions,
+    ) -> Result<Model> {
+        Self::from_source_cached(config, src, None, opts)
+    }
+
+    /// Loads from an already opened source, packings through `cache` when given.
+    pub fn from_source_cached(
+        config: ModelConfig,
+        src: &dyn TensorSource,
+        cache: Option<&WeightCache>,
         opts: &LoadOptions,
     ) -> Result<Model> {
         let range = opts.layers.clone().unwrap_or(0..config.num_layers);
@@ -231,11 +249,11 @@ impl Model {
         );
         let mut layers = BTreeMap::new();
         for i in range {
-            layers.insert(i, load_layer(&config, src, i)?);
+            layers.insert(i, load_layer(&config, src, cache, i)?);
             progress.inc(1);
         }
         let head = if opts.head {
-            let h = load_head(&config, src)?;
+            let h = load_head(&config, src, cache)?;
             progress.inc(1);
             Some(h)
         } else {

@@ -2,6 +2,9 @@
 //! and quantised once into the kernel layout. Only the layers a stage serves (and the head
 //! weights, if it holds them) are ever read.
 //!
+//! With a [`WeightCache`], packings come from the cache when it holds them (the source tensor is
+//! then not read at all) and are stored in it otherwise.
+//!
 //! The file mirrors the checkpoints it reads: GPT-2's fused `c_attn` stored `[in, out]` is cut
 //! into q, k and v here; Llama-family projections are stored `[out, in]`.
 
@@ -12,6 +15,7 @@ use dc_kernels::{Gemm, PackedWeights, QuantizedRows, WeightLayout};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::source::TensorSource;
+use crate::weight_cache::{packed, WeightCache};
 
 /// A linear layer `y = x · W + b`.
 #[derive(Clone, Debug)]
@@ -162,27 +166,40 @@ fn opt_load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Optio
 }
 
 /// `[out, in]` linear (Hugging Face `nn.Linear`).
-fn linear_nk(src: &dyn TensorSource, name: &str, k: usize, n: usize, bias: bool) -> Result<Linear> {
-    let w = load(src, &format!("{name}.weight"), &[n, k])?;
+fn linear_nk(
+    src: &dyn TensorSource,
+    cache: Option<&WeightCache>,
+    name: &str,
+    k: usize,
+    n: usize,
+    bias: bool,
+) -> Result<Linear> {
+    let wname = format!("{name}.weight");
+    let w = packed(cache, &wname, k, n, WeightLayout::NByK, || {
+        load(src, &wname, &[n, k])
+    })?;
     let bias = if bias {
         Some(load(src, &format!("{name}.bias"), &[n])?)
     } else {
         opt_load(src, &format!("{name}.bias"), &[n])?
     };
-    Ok(Linear {
-        w: PackedWeights::quantize(&w, k, n, WeightLayout::NByK, name)?,
-        bias,
-    })
+    Ok(Linear { w, bias })
 }
 
 /// `[in, out]` linear (GPT-2 `Conv1D`) with its bias.
-fn linear_kn(src: &dyn TensorSource, name: &str, k: usize, n: usize) -> Result<Linear> {
-    let w = load(src, &format!("{name}.weight"), &[k, n])?;
+fn linear_kn(
+    src: &dyn TensorSource,
+    cache: Option<&WeightCache>,
+    name: &str,
+    k: usize,
+    n: usize,
+) -> Result<Linear> {
+    let wname = format!("{name}.weight");
+    let w = packed(cache, &wname, k, n, WeightLayout::KByN, || {
+        load(src, &wname, &[k, n])
+    })?;
     let b = load(src, &format!("{name}.bias"), &[n])?;
-    Ok(Linear {
-        w: PackedWeights::quantize(&w, k, n, WeightLayout::KByN, name)?,
-        bias: Some(b),
-    })
+    Ok(Linear { w, bias: Some(b) })
 }
 
 fn norm(src: &dyn TensorSource, name: &str, width: usize, with_bias: bool) -> Result<Norm> {
@@ -208,36 +225,51 @@ impl Names {
     }
 }
 
-/// Loads and quantises the layers in `range`.
-pub fn load_layer(cfg: &ModelConfig, src: &dyn TensorSource, i: usize) -> Result<Layer> {
+/// Loads and quantises layer `i` (packings through `cache` when given).
+pub fn load_layer(
+    cfg: &ModelConfig,
+    src: &dyn TensorSource,
+    cache: Option<&WeightCache>,
+    i: usize,
+) -> Result<Layer> {
     let names = Names::for_source(cfg, src);
     let h = cfg.hidden_size;
     match cfg.arch {
         Arch::Gpt2 => {
             let p = format!("{}h.{i}", names.prefix);
-            let qkv = load(src, &format!("{p}.attn.c_attn.weight"), &[h, 3 * h])?;
+            // The fused q/k/v matrix is read (once) only if one of its parts is not cached.
+            let mut qkv: Option<Vec<f32>> = None;
             let qkv_b = load(src, &format!("{p}.attn.c_attn.bias"), &[3 * h])?;
-            let part = |j: usize| -> Result<Linear> {
-                let mut w = Vec::with_capacity(h * h);
-                for row in qkv.chunks_exact(3 * h) {
-                    w.extend_from_slice(&row[j * h..(j + 1) * h]);
-                }
+            let mut part = |j: usize| -> Result<Linear> {
                 let name = format!("{p}.attn.c_attn[{}]", ["q", "k", "v"][j]);
+                let w = packed(cache, &name, h, h, WeightLayout::KByN, || {
+                    if qkv.is_none() {
+                        qkv = Some(load(src, &format!("{p}.attn.c_attn.weight"), &[h, 3 * h])?);
+                    }
+                    let all = qkv.as_deref().unwrap_or_default();
+                    let mut w = Vec::with_capacity(h * h);
+                    for row in all.chunks_exact(3 * h) {
+                        w.extend_from_slice(&row[j * h..(j + 1) * h]);
+                    }
+                    Ok(w)
+                })?;
                 Ok(Linear {
-                    w: PackedWeights::quantize(&w, h, h, WeightLayout::KByN, &name)?,
+                    w,
                     bias: Some(qkv_b[j * h..(j + 1) * h].to_vec()),
                 })
             };
+            let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+            let ff = cfg.intermediate_size;
             Ok(Layer {
                 attn_norm: norm(src, &format!("{p}.ln_1"), h, true)?,
-                q: part(0)?,
-                k: part(1)?,
-                v: part(2)?,
-                o: linear_kn(src, &format!("{p}.attn.c_proj"), h, h)?,
+                q,
+                k,
+                v,
+                o: linear_kn(src, cache, &format!("{p}.attn.c_proj"), h, h)?,
                 mlp_norm: norm(src, &format!("{p}.ln_2"), h, true)?,
                 mlp: Mlp::Gelu {
-                    fc: linear_kn(src, &format!("{p}.mlp.c_fc"), h, cfg.intermediate_size)?,
-                    proj: linear_kn(src, &format!("{p}.mlp.c_proj"), cfg.intermediate_size, h)?,
+                    fc: linear_kn(src, cache, &format!("{p}.mlp.c_fc"), h, ff)?,
+                    proj: linear_kn(src, cache, &format!("{p}.mlp.c_proj"), ff, h)?,
                 },
             })
         }
@@ -246,31 +278,63 @@ pub fn load_layer(cfg: &ModelConfig, src: &dyn TensorSource, i: usize) -> Result
             let (qw, kvw, ff) = (cfg.q_width(), cfg.kv_width(), cfg.intermediate_size);
             Ok(Layer {
                 attn_norm: norm(src, &format!("{p}.input_layernorm"), h, false)?,
-                q: linear_nk(src, &format!("{p}.self_attn.q_proj"), h, qw, cfg.qkv_bias)?,
-                k: linear_nk(src, &format!("{p}.self_attn.k_proj"), h, kvw, cfg.qkv_bias)?,
-                v: linear_nk(src, &format!("{p}.self_attn.v_proj"), h, kvw, cfg.qkv_bias)?,
-                o: linear_nk(src, &format!("{p}.self_attn.o_proj"), qw, h, false)?,
+                q: linear_nk(
+                    src,
+                    cache,
+                    &format!("{p}.self_attn.q_proj"),
+                    h,
+                    qw,
+                    cfg.qkv_bias,
+                )?,
+                k: linear_nk(
+                    src,
+                    cache,
+                    &format!("{p}.self_attn.k_proj"),
+                    h,
+                    kvw,
+                    cfg.qkv_bias,
+                )?,
+                v: linear_nk(
+                    src,
+                    cache,
+                    &format!("{p}.self_attn.v_proj"),
+                    h,
+                    kvw,
+                    cfg.qkv_bias,
+                )?,
+                o: linear_nk(src, cache, &format!("{p}.self_attn.o_proj"), qw, h, false)?,
                 mlp_norm: norm(src, &format!("{p}.post_attention_layernorm"), h, false)?,
                 mlp: Mlp::SwiGlu {
-                    gate: linear_nk(src, &format!("{p}.mlp.gate_proj"), h, ff, false)?,
-                    up: linear_nk(src, &format!("{p}.mlp.up_proj"), h, ff, false)?,
-                    down: linear_nk(src, &format!("{p}.mlp.down_proj"), ff, h, false)?,
+                    gate: linear_nk(src, cache, &format!("{p}.mlp.gate_proj"), h, ff, false)?,
+                    up: linear_nk(src, cache, &format!("{p}.mlp.up_proj"), h, ff, false)?,
+                    down: linear_nk(src, cache, &format!("{p}.mlp.down_proj"), ff, h, false)?,
                 },
             })
         }
     }
 }
 
-/// Loads the head weights: embeddings, final norm and output projection.
-pub fn load_head(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Head> {
+/// Loads the head weights: embeddings, final norm and output projection (its packing through
+/// `cache` when given).
+pub fn load_head(
+    cfg: &ModelConfig,
+    src: &dyn TensorSource,
+    cache: Option<&WeightCache>,
+) -> Result<Head> {
     let names = Names::for_source(cfg, src);
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     match cfg.arch {
         Arch::Gpt2 => {
             let p = names.prefix;
             let embed = load(src, &format!("{p}wte.weight"), &[v, h])?;
-            let lm_head =
-                PackedWeights::quantize(&embed, h, v, WeightLayout::NByK, "wte (tied lm_head)")?;
+            let lm_head = packed(
+                cache,
+                "wte (tied lm_head)",
+                h,
+                v,
+                WeightLayout::NByK,
+                || Ok(embed.clone()),
+            )?;
             Ok(Head {
                 positions: Some(load(
                     src,
@@ -291,16 +355,18 @@ pub fn load_head(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Head> {
                         path: src.path().to_path_buf(),
                     });
                 }
-                PackedWeights::quantize(
-                    &embed,
+                packed(
+                    cache,
+                    "embed_tokens (tied lm_head)",
                     h,
                     v,
                     WeightLayout::NByK,
-                    "embed_tokens (tied lm_head)",
+                    || Ok(embed.clone()),
                 )?
             } else {
-                let w = load(src, "lm_head.weight", &[v, h])?;
-                PackedWeights::quantize(&w, h, v, WeightLayout::NByK, "lm_head")?
+                packed(cache, "lm_head.weight", h, v, WeightLayout::NByK, || {
+                    load(src, "lm_head.weight", &[v, h])
+                })?
             };
             Ok(Head {
                 embed,

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use dc_kernels::{Gemm, Kernel};
+use dc_kernels::{Gemm, Kernel, PackedWeights, WeightLayout};
 use dc_model::generate::{generate, GenerateRequest, LocalPipeline};
 use dc_model::sampling::SamplingParams;
 use dc_model::{LoadOptions, Model};
@@ -165,6 +165,7 @@ fn loading_only_a_stage_gives_the_same_bits() {
             &LoadOptions {
                 layers: Some(0..1),
                 head: true,
+                cache_in: None,
             },
         )
         .unwrap();
@@ -173,6 +174,7 @@ fn loading_only_a_stage_gives_the_same_bits() {
             &LoadOptions {
                 layers: Some(1..3),
                 head: false,
+                cache_in: None,
             },
         )
         .unwrap();
@@ -181,6 +183,7 @@ fn loading_only_a_stage_gives_the_same_bits() {
             &LoadOptions {
                 layers: Some(3..4),
                 head: false,
+                cache_in: None,
             },
         )
         .unwrap();
@@ -198,5 +201,65 @@ fn loading_only_a_stage_gives_the_same_bits() {
         x = mid.run_layers(&gemm, x, &mut caches[1]).unwrap();
         x = tail.run_layers(&gemm, x, &mut caches[2]).unwrap();
         assert_eq!(want, bits(&head.readout(&gemm, &x).unwrap()), "{name}");
+    }
+}
+
+/// Packings read back from the weight cache give the same bits as freshly quantised ones; the
+/// cache is really read (a planted entry changes the result); a corrupt entry is ignored and
+/// rewritten.
+#[test]
+fn the_weight_cache_gives_the_same_bits_and_is_really_used() {
+    for name in TINY {
+        let dir = fixtures().join(name);
+        let data = tempfile::tempdir().unwrap();
+        let cached = LoadOptions {
+            cache_in: Some(data.path().to_path_buf()),
+            ..LoadOptions::default()
+        };
+        let ids = sequence(name);
+        let gemm = Gemm::new(Kernel::best(), 2).unwrap();
+        let logits = |m: &Model| {
+            bits(
+                &LocalPipeline::new(m, 2)
+                    .unwrap()
+                    .prefill_all(&gemm, &ids, 40)
+                    .unwrap(),
+            )
+        };
+        let want = logits(&load(name));
+        let cold = Model::load(&dir, &cached).unwrap();
+        assert_eq!(logits(&cold), want, "{name}: cold cache");
+        let cache = dc_model::weight_cache::WeightCache::for_model(&dir, data.path()).unwrap();
+        let mut entries: Vec<_> = std::fs::read_dir(cache.dir())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        entries.sort();
+        // Four layers of 6 (GPT-2) or 7 products, and the output projection.
+        let per_layer = if name == "gpt2" { 6 } else { 7 };
+        assert_eq!(entries.len(), 4 * per_layer + 1, "{name}: {entries:?}");
+        let warm = Model::load(&dir, &cached).unwrap();
+        assert_eq!(logits(&warm), want, "{name}: warm cache");
+
+        // A corrupt entry is ignored (same bits) and rewritten.
+        let victim = &entries[0];
+        let good = std::fs::read(victim).unwrap();
+        let mut bad = good.clone();
+        bad[100] ^= 0x10;
+        std::fs::write(victim, &bad).unwrap();
+        assert_eq!(logits(&Model::load(&dir, &cached).unwrap()), want, "{name}");
+        assert_eq!(
+            std::fs::read(victim).unwrap(),
+            good,
+            "{name}: entry rewritten"
+        );
+
+        // A planted valid entry is used: the cache is really read.
+        let p = PackedWeights::from_bytes(&good).unwrap();
+        let zeros = vec![0f32; p.k() * p.n()];
+        let planted =
+            PackedWeights::quantize(&zeros, p.k(), p.n(), WeightLayout::NByK, "zeros").unwrap();
+        std::fs::write(victim, planted.to_bytes()).unwrap();
+        assert_ne!(logits(&Model::load(&dir, &cached).unwrap()), want, "{name}");
     }
 }

@@ -276,12 +276,14 @@ async fn referee_model(node: &Arc<Node>, layers: LayerRange) -> Result<Arc<Model
         }
     }
     let path = node.cfg.model.clone();
+    let data_dir = node.cfg.data_dir.clone();
     let m = tokio::task::spawn_blocking(move || {
         Model::load(
             &path,
             &LoadOptions {
                 layers: Some(layers.as_range()),
                 head: false,
+                cache_in: Some(data_dir),
             },
         )
     })

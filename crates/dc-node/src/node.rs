@@ -351,13 +351,15 @@ impl Node {
 }
 
 /// Loads `layers` (and the head weights if `head`) on the compute pool.
-async fn load(path: std::path::PathBuf, layers: LayerRange, head: bool) -> Result<Serving, String> {
+async fn load(node: &Node, layers: LayerRange, head: bool) -> Result<Serving, String> {
+    let (path, data_dir) = (node.cfg.model.clone(), node.cfg.data_dir.clone());
     tokio::task::spawn_blocking(move || {
         let model = Model::load(
             &path,
             &LoadOptions {
                 layers: Some(layers.as_range()),
                 head,
+                cache_in: Some(data_dir),
             },
         )
         .map_err(|e| format!("loading layers {layers}: {e}"))?;
@@ -551,7 +553,7 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
     if node.cfg.head && !fits_head {
         println!("the head weights do not fit the memory budget: serving without them");
     }
-    let serving = load(node.cfg.model.clone(), layers, fits_head).await?;
+    let serving = load(&node, layers, fits_head).await?;
     *node.serving.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(serving));
     let tps = measure_throughput(&node).await;
     *node.throughput.lock().unwrap_or_else(|e| e.into_inner()) = tps;
@@ -768,7 +770,7 @@ async fn rebalance_once(node: &Arc<Node>) -> Result<(), String> {
     );
     println!("moving from layers {} to {proposed}", current.layers);
     // Keep serving the old range while the new one loads: nothing is uncovered meanwhile.
-    let serving = load(node.cfg.model.clone(), proposed, current.head).await?;
+    let serving = load(node, proposed, current.head).await?;
     *node.serving.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(serving));
     node.announce().await;
     println!("serving layers {proposed} of {n}");

@@ -106,6 +106,7 @@ fn check(p: &FraudProof) -> Result<(), String> {
         &LoadOptions {
             layers: Some(layer as usize..layer as usize + 1),
             head: false,
+            cache_in: None,
         },
     )
     .unwrap();

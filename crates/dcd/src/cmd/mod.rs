@@ -78,8 +78,11 @@ impl Loaded {
 /// Loads the whole model and, when it has one, its tokenizer.
 pub fn load_model(arg: &ModelArg) -> Result<Loaded> {
     let path = model_path(arg)?;
-    let model = Model::load(&path, &LoadOptions::default())
-        .with_context(|| format!("loading {}", path.display()))?;
+    let opts = LoadOptions {
+        cache_in: Some(store::data_dir()?),
+        ..LoadOptions::default()
+    };
+    let model = Model::load(&path, &opts).with_context(|| format!("loading {}", path.display()))?;
     let has_tokenizer = !path.is_dir() || path.join("tokenizer.json").is_file();
     let (tokenizer, special) = if has_tokenizer {
         let (t, _chat, s): (Tokenizer, Option<ChatTemplate>, SpecialTokens) =

@@ -242,6 +242,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
             &LoadOptions {
                 layers: Some(l as usize..l as usize + 1),
                 head: false,
+                cache_in: Some(data.clone()),
             },
         )?),
         Some(l) => bail!(
