@@ -13,6 +13,10 @@ CONC=${3:-4}
 L=${LAYERS:-30}
 DCD=${DCD:-target/release/dcd}
 [ -x "$DCD" ] || cargo build --release --locked -p dcd
+# Each daemon has its own data directory, so an installed model's name becomes its folder.
+if [ ! -e "$MODEL" ]; then
+    MODEL=${DCD_DATA_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/dcd}/models/$MODEL
+fi
 work=$(mktemp -d)
 daemons=()
 cleanup() {
@@ -38,12 +42,15 @@ start() { # name layers extra...
     exit 1
 }
 
-seconds() { # command...: wall seconds of one run
-    local s e
-    s=$(date +%s.%N)
-    "$@" >/dev/null
-    e=$(date +%s.%N)
-    python3 -c "print(round($e - $s, 3))"
+seconds() { # command...: median wall seconds of 5 runs (the machine may be noisy)
+    local s e runs=()
+    for _ in 1 2 3 4 5; do
+        s=$(date +%s.%N)
+        "$@" >/dev/null
+        e=$(date +%s.%N)
+        runs+=("$(python3 -c "print($e - $s)")")
+    done
+    python3 -c "import sys, statistics; print(round(statistics.median(map(float, sys.argv[1:])), 3))" "${runs[@]}"
 }
 
 a=$((L / 3))
