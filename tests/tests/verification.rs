@@ -79,12 +79,19 @@ fn swarm_with_liar(dir: &Path, model: &Path, fault: &str) -> (Daemon, Daemon, Da
         model,
         &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
     );
-    let l = Daemon::start_with_env(
+    let l = Daemon::start(
         dir,
         "liar",
         model,
-        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
-        &[("DCD_FAULT", fault)],
+        &[
+            "--layers",
+            "2..4",
+            "--no-head",
+            "--bootstrap",
+            &a.addr,
+            "--fault",
+            fault,
+        ],
     );
     wait_until("everyone to see everyone", Duration::from_secs(30), || {
         sees_serving(&a, 2) && sees_serving(&b, 2)

@@ -65,10 +65,17 @@ impl std::str::FromStr for Fault {
     }
 }
 
-/// The fault configured through `DCD_FAULT` (read once).
+static CONFIGURED: std::sync::OnceLock<Option<Fault>> = std::sync::OnceLock::new();
+
+/// Sets the fault (`dcd join --fault`) before the daemon serves anything; `false` if it was
+/// already fixed.
+pub fn set(f: Fault) -> bool {
+    CONFIGURED.set(Some(f)).is_ok()
+}
+
+/// The fault set by [`set`], else the one in `DCD_FAULT` (read once).
 pub fn configured() -> Option<Fault> {
-    static F: std::sync::OnceLock<Option<Fault>> = std::sync::OnceLock::new();
-    *F.get_or_init(|| std::env::var("DCD_FAULT").ok().and_then(|s| s.parse().ok()))
+    *CONFIGURED.get_or_init(|| std::env::var("DCD_FAULT").ok().and_then(|s| s.parse().ok()))
 }
 
 fn last_outputs() -> &'static Mutex<HashMap<GenerationId, Activations>> {

@@ -22,4 +22,27 @@ pub mod verify;
 pub mod view;
 
 pub use config::{LayerChoice, NodeConfig};
+
+/// Whether this build can lie on request (the `fault-injection` feature, for tests only).
+pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
+
+/// Makes this daemon lie as `spec` (`KIND[:FRACTION]`) says; an error naming the problem for a
+/// bad spec, and always in builds without the `fault-injection` feature.
+pub fn inject_fault(spec: &str) -> Result<(), String> {
+    #[cfg(feature = "fault-injection")]
+    {
+        let f: fault::Fault = spec.parse()?;
+        if fault::set(f) {
+            Ok(())
+        } else {
+            Err("a fault is already configured".into())
+        }
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        Err(format!(
+            "--fault {spec}: this dcd was built without the fault-injection feature"
+        ))
+    }
+}
 pub use node::{run, Node};

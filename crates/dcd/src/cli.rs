@@ -132,6 +132,10 @@ pub struct JoinArgs {
     /// generation (0 to 1; 1 audits every hop) [default: 0.1].
     #[arg(long)]
     pub audit_rate: Option<f64>,
+    /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
+    /// all) by flip-bit, skip-layer, other-weights or stale.
+    #[arg(long, value_name = "KIND[:FRACTION]", hide = !dc_node::FAULT_INJECTION)]
+    pub fault: Option<String>,
 }
 
 #[derive(Debug, Args)]

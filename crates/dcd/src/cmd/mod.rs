@@ -31,7 +31,12 @@ pub fn run(mut cli: Cli) -> Result<ExitCode> {
         Command::Logits(a) => model_cmds::logits(g, a),
         Command::Perplexity(a) => model_cmds::perplexity(g, a),
         Command::Tokenize(a) => model_cmds::tokenize(a),
-        Command::Join(_) => swarm::join(g, &resolved),
+        Command::Join(a) => {
+            if let Some(spec) = &a.fault {
+                dc_node::inject_fault(spec).map_err(anyhow::Error::msg)?;
+            }
+            swarm::join(g, &resolved)
+        }
         Command::VerifyProof(a) => swarm::verify_proof(g, a),
         Command::Status(a) => swarm::status(a, &resolved),
         Command::Config(ConfigCommand::Show(a)) => config_cmd::show(a, &resolved),

@@ -1,0 +1,125 @@
+//! Detection rate of sampled audits, measured with real daemons and set against the policy's
+//! analysis. A liar serving layers 2..4 of the Llama fixture lies (`flip-bit`) on a fraction
+//! `f` of its hops; the head audits each remote hop with probability `p`. For a generation with
+//! `H` hops on the liar, docs/VERIFICATION.md predicts detection with probability
+//! `1 − (1 − f·p)^H`; this counts how often the liar is actually proven and excluded.
+//!
+//! ```text
+//! cargo bench -p dc-tests --bench detection            # DETECTION_TRIALS=N (default 40)
+//! ```
+
+#![allow(clippy::unwrap_used)] // a benchmark: a panic is the failure report
+
+use std::path::Path;
+use std::time::Duration;
+
+use dc_tests::*;
+
+const TOKENS: &str = "16";
+
+struct Swarm {
+    _dir: tempfile::TempDir,
+    head: Daemon,
+    _honest: Daemon,
+    liar: Daemon,
+}
+
+fn swarm(model: &Path, f: f64) -> Swarm {
+    let dir = tempfile::tempdir().unwrap();
+    let head = Daemon::start(dir.path(), "head", model, &["--layers", "0..2"]);
+    let honest = Daemon::start(
+        dir.path(),
+        "honest",
+        model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &head.addr],
+    );
+    let fault = format!("flip-bit:{f}");
+    let liar = Daemon::start(
+        dir.path(),
+        "liar",
+        model,
+        &[
+            "--layers",
+            "2..4",
+            "--no-head",
+            "--bootstrap",
+            &head.addr,
+            "--fault",
+            &fault,
+        ],
+    );
+    wait_until("the swarm", Duration::from_secs(30), || {
+        let s = head.status();
+        let peers = s["peers"].as_array().unwrap();
+        peers.len() == 2 && peers.iter().all(|p| p["state"] == "serving")
+    });
+    Swarm {
+        _dir: dir,
+        head,
+        _honest: honest,
+        liar,
+    }
+}
+
+fn hops(d: &Daemon) -> u64 {
+    d.status()["hops_served"].as_u64().unwrap()
+}
+
+fn main() {
+    let trials: usize = std::env::var("DETECTION_TRIALS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
+    let model = fixtures().join("llama");
+    println!("{trials} generations of {TOKENS} tokens per row; the liar routes every 2..4 hop");
+    println!(
+        "   f     p   hops H   predicted   measured (caught/trials)   audits run, unavailable"
+    );
+    for (f, p) in [(0.1, 0.1), (0.3, 0.1), (0.1, 0.3), (0.3, 0.3), (1.0, 0.1)] {
+        let mut caught = 0;
+        let (mut audits, mut unavailable) = (0, 0);
+        let mut full_hops = Vec::new();
+        let mut s: Option<Swarm> = None;
+        for t in 0..trials {
+            let sw = s.get_or_insert_with(|| swarm(&model, f));
+            let before = hops(&sw.liar);
+            let seed = t.to_string();
+            let rate = p.to_string();
+            generate_json(&[
+                "--api",
+                &sw.head.api,
+                "--prompt-ids",
+                "5,17,99,3,250,41,7,0,12",
+                "--max-new-tokens",
+                TOKENS,
+                "--ignore-eos",
+                "--seed",
+                &seed,
+                "--temperature",
+                "0.8",
+                "--audit-rate",
+                &rate,
+            ]);
+            let served = hops(&sw.liar) - before;
+            let status = sw.head.status();
+            let excluded = !status["excluded_peers"].as_array().unwrap().is_empty();
+            if excluded || t + 1 == trials {
+                audits += status["audits"]["run"].as_u64().unwrap();
+                unavailable += status["audits"]["unavailable"].as_u64().unwrap();
+            }
+            if excluded {
+                caught += 1;
+                s = None; // a fresh swarm (and liar) for the next trial
+            } else {
+                full_hops.push(served);
+            }
+        }
+        // H: the liar's hops in a generation it was not caught in (all of them).
+        let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
+        let predicted = 1.0 - (1.0 - f * p).powf(h);
+        println!(
+            "{f:5.2} {p:5.2} {h:8.0} {predicted:11.3} {:10.3} ({caught}/{trials})   {audits}, {unavailable}",
+            caught as f64 / trials as f64
+        );
+    }
+}
