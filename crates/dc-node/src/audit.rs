@@ -231,6 +231,13 @@ pub async fn audit(node: Arc<Node>, seg: RouteHop, log: StageLog) -> bool {
 /// Replays the accused's hops ourselves (loading its layers from our own model file), finds the
 /// first difference, builds the proof, checks it, and excludes the accused if it holds.
 pub async fn referee(node: Arc<Node>, accused: &str, layers: LayerRange, log: &StageLog) -> bool {
+    // One refereeing at a time: several audits of one generation often fail together, and
+    // once the first has proven the lie the others have nothing left to do.
+    let gate_holder = node.clone();
+    let _gate = gate_holder.referee_gate.lock().await;
+    if node.is_excluded(accused) {
+        return true;
+    }
     let model = match referee_model(&node, layers).await {
         Ok(m) => m,
         Err(e) => {

@@ -110,6 +110,8 @@ pub struct Node {
     pub audits: Mutex<crate::audit::AuditBook>,
     /// Layers loaded on demand to referee disputes and check proofs.
     pub referee: tokio::sync::Mutex<Option<(LayerRange, Arc<Model>)>>,
+    /// Held for a whole refereeing, so concurrent failed audits of one liar referee it once.
+    pub referee_gate: tokio::sync::Mutex<()>,
     /// Secret of the head's audit coin (never leaves this process).
     pub audit_secret: [u8; 32],
     fetching: Mutex<HashSet<dc_kernels::Commitment>>,
@@ -489,6 +491,7 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         api_addr: Mutex::new(None),
         audits: Mutex::new(crate::audit::AuditBook::default()),
         referee: tokio::sync::Mutex::new(None),
+        referee_gate: tokio::sync::Mutex::new(()),
         audit_secret: crate::audit::new_secret(local.to_bytes().as_slice()),
         fetching: Mutex::new(HashSet::new()),
         cfg,
