@@ -211,6 +211,18 @@ pub fn commit_gemm_from(acc: &Accumulators, first: usize, from: usize) -> Commit
     gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
 }
 
+/// [`commit_gemm_from`] with the rows hashed in parallel on the current rayon pool; the leaves
+/// keep their order, so the commitment is the same.
+pub(crate) fn commit_gemm_from_par(acc: &Accumulators, first: usize, from: usize) -> Commitment {
+    use rayon::prelude::*;
+    let skip = from.saturating_sub(first).min(acc.rows);
+    let leaves: Vec<Commitment> = (skip..acc.rows)
+        .into_par_iter()
+        .map(|r| row_leaf_at(acc, r, first))
+        .collect();
+    gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
+}
+
 /// A row leaf from exact values computed outside a GEMM kernel (the attention products), in
 /// the same format as [`row_leaf_at`].
 pub fn exact_row_leaf(position: usize, values: &[Exact]) -> Commitment {

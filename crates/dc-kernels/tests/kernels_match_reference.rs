@@ -356,3 +356,35 @@ fn stored_packings_that_break_the_layout_rules_are_refused_even_with_a_good_chec
         .to_string();
     assert!(err.contains("does not fit"), "{err}");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Committing on the engine's threads gives the serial commitment, for every starting row.
+    #[test]
+    fn parallel_commitments_equal_serial_ones(
+        m in 1usize..40,
+        k in 1usize..100,
+        n in 1usize..40,
+        first in 0usize..50,
+        skip in 0usize..45,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = matrix(&mut rng, m, k, Style::Normal);
+        let w = matrix(&mut rng, n, k, Style::Normal);
+        let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
+        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
+        let mut y = vec![0f32; m * n];
+        for threads in [1, 2, 3] {
+            let g = Gemm::new(Kernel::best(), threads).unwrap();
+            let acc = g.matmul_exact(&qx, &qw, &mut y).unwrap();
+            let from = first + skip;
+            prop_assert_eq!(
+                g.commit_from(&acc, first, from),
+                dc_kernels::commit::commit_gemm_from(&acc, first, from),
+                "{} threads", threads
+            );
+        }
+    }
+}

@@ -48,7 +48,7 @@ impl Linear {
         let commitment = match commit {
             Some((first, from)) => {
                 let acc = gemm.matmul_exact(x, &self.w, out)?;
-                Some(dc_kernels::commit::commit_gemm_from(&acc, first, from))
+                Some(gemm.commit_from(&acc, first, from))
             }
             None => {
                 gemm.matmul(x, &self.w, out)?;

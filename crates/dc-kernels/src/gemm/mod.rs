@@ -192,6 +192,17 @@ impl Gemm {
         })
     }
 
+    /// [`crate::commit::commit_gemm_from`], hashing the rows on this engine's threads (a
+    /// prefill commits many rows; the result does not depend on the thread count).
+    pub fn commit_from(&self, acc: &Accumulators, first: usize, from: usize) -> crate::Commitment {
+        match &self.pool {
+            Some(pool) if acc.rows > 1 => {
+                pool.install(|| crate::commit::commit_gemm_from_par(acc, first, from))
+            }
+            _ => crate::commit::commit_gemm_from(acc, first, from),
+        }
+    }
+
     /// The kernel in use.
     pub fn kernel(&self) -> Kernel {
         self.kernel
