@@ -11,7 +11,6 @@
 #![allow(clippy::unwrap_used)] // a benchmark: a panic is the failure report
 
 use std::path::Path;
-use std::time::Duration;
 
 use dc_tests::*;
 
@@ -26,33 +25,7 @@ struct Swarm {
 
 fn swarm(model: &Path, f: f64) -> Swarm {
     let dir = tempfile::tempdir().unwrap();
-    let head = Daemon::start(dir.path(), "head", model, &["--layers", "0..2"]);
-    let honest = Daemon::start(
-        dir.path(),
-        "honest",
-        model,
-        &["--layers", "2..4", "--no-head", "--bootstrap", &head.addr],
-    );
-    let fault = format!("flip-bit:{f}");
-    let liar = Daemon::start(
-        dir.path(),
-        "liar",
-        model,
-        &[
-            "--layers",
-            "2..4",
-            "--no-head",
-            "--bootstrap",
-            &head.addr,
-            "--fault",
-            &fault,
-        ],
-    );
-    wait_until("the swarm", Duration::from_secs(30), || {
-        let s = head.status();
-        let peers = s["peers"].as_array().unwrap();
-        peers.len() == 2 && peers.iter().all(|p| p["state"] == "serving")
-    });
+    let (head, honest, liar) = swarm_with_liar(dir.path(), model, &[], &format!("flip-bit:{f}"));
     Swarm {
         _dir: dir,
         head,

@@ -160,6 +160,23 @@ impl Daemon {
         serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
     }
 
+    /// Whether it sees `n` peers, all serving (a peer still loading is in no route).
+    pub fn sees_serving(&self, n: usize) -> bool {
+        let status = self.status();
+        let peers = status["peers"].as_array().unwrap();
+        peers.len() == n && peers.iter().all(|p| p["state"] == "serving")
+    }
+
+    /// The peers it has excluded on a proof.
+    pub fn excluded(&self) -> Vec<String> {
+        self.status()["excluded_peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["peer_id"].as_str().unwrap().to_string())
+            .collect()
+    }
+
     /// The layers it serves now.
     pub fn layers(&self) -> String {
         self.status()["layers"]
@@ -235,4 +252,29 @@ pub fn generate_json(args: &[&str]) -> Value {
     all.extend_from_slice(args);
     all.push("--json");
     serde_json::from_str(run_dcd(&all).trim()).unwrap()
+}
+
+/// A head over layers 0..2 (started with `head_extra`), an honest stage and a liar
+/// (`--fault fault`) both serving 2..4, all serving and seeing each other. The liar announces a
+/// huge throughput, so routes pick it.
+pub fn swarm_with_liar(
+    dir: &Path,
+    model: &Path,
+    head_extra: &[&str],
+    fault: &str,
+) -> (Daemon, Daemon, Daemon) {
+    let mut head_args = vec!["--layers", "0..2"];
+    head_args.extend_from_slice(head_extra);
+    let head = Daemon::start(dir, "head", model, &head_args);
+    let stage = |name: &str, extra: &[&str]| {
+        let mut args = vec!["--layers", "2..4", "--no-head", "--bootstrap", &head.addr];
+        args.extend_from_slice(extra);
+        Daemon::start(dir, name, model, &args)
+    };
+    let honest = stage("honest", &[]);
+    let liar = stage("liar", &["--fault", fault]);
+    wait_until("everyone to see everyone", Duration::from_secs(30), || {
+        head.sees_serving(2) && honest.sees_serving(2)
+    });
+    (head, honest, liar)
 }

@@ -14,10 +14,10 @@ use serde_json::Value;
 
 const PROMPT: &str = "5,17,99,3,250,41,7,0,12";
 
-fn local(model: &Path, max_new: &str, seed: &str, t: &str) -> Value {
-    generate_json(&[
-        "--model",
-        model.to_str().unwrap(),
+/// `dcd generate` of the test prompt with `source` (`--model M` or `--api URL`) and `extra`.
+fn run(source: &[&str], extra: &[&str], max_new: &str, seed: &str, t: &str) -> Value {
+    let mut args = source.to_vec();
+    args.extend_from_slice(&[
         "--prompt-ids",
         PROMPT,
         "--max-new-tokens",
@@ -27,76 +27,17 @@ fn local(model: &Path, max_new: &str, seed: &str, t: &str) -> Value {
         seed,
         "--temperature",
         t,
-    ])
-}
-
-fn through(api: &str, extra: &[&str], max_new: &str, seed: &str, t: &str) -> Value {
-    let mut args = vec![
-        "--api",
-        api,
-        "--prompt-ids",
-        PROMPT,
-        "--max-new-tokens",
-        max_new,
-        "--ignore-eos",
-        "--seed",
-        seed,
-        "--temperature",
-        t,
-    ];
+    ]);
     args.extend_from_slice(extra);
     generate_json(&args)
 }
 
-/// Whether `d` sees `n` peers, all serving (a peer still loading is not in any route).
-fn sees_serving(d: &Daemon, n: usize) -> bool {
-    let status = d.status();
-    let peers = status["peers"].as_array().unwrap();
-    peers.len() == n && peers.iter().all(|p| p["state"] == "serving")
+fn local(model: &Path, max_new: &str, seed: &str, t: &str) -> Value {
+    run(&["--model", model.to_str().unwrap()], &[], max_new, seed, t)
 }
 
-fn excluded(d: &Daemon) -> Vec<String> {
-    d.status()["excluded_peers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["peer_id"].as_str().unwrap().to_string())
-        .collect()
-}
-
-/// A head over layers 0..2, an honest stage and a liar both serving 2..4 (the liar announces a
-/// huge throughput, so routes pick it).
-fn swarm_with_liar(dir: &Path, model: &Path, fault: &str) -> (Daemon, Daemon, Daemon) {
-    let a = Daemon::start(
-        dir,
-        "head",
-        model,
-        &["--layers", "0..2", "--audit-rate", "1"],
-    );
-    let b = Daemon::start(
-        dir,
-        "honest",
-        model,
-        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
-    );
-    let l = Daemon::start(
-        dir,
-        "liar",
-        model,
-        &[
-            "--layers",
-            "2..4",
-            "--no-head",
-            "--bootstrap",
-            &a.addr,
-            "--fault",
-            fault,
-        ],
-    );
-    wait_until("everyone to see everyone", Duration::from_secs(30), || {
-        sees_serving(&a, 2) && sees_serving(&b, 2)
-    });
-    (a, b, l)
+fn through(api: &str, extra: &[&str], max_new: &str, seed: &str, t: &str) -> Value {
+    run(&["--api", api], extra, max_new, seed, t)
 }
 
 #[test]
@@ -104,14 +45,16 @@ fn every_kind_of_lie_is_caught_proven_and_excluded() {
     let model = fixtures().join("llama");
     for fault in ["flip-bit", "skip-layer", "other-weights", "stale:0.5"] {
         let dir = tempfile::tempdir().unwrap();
-        let (a, b, l) = swarm_with_liar(dir.path(), &model, fault);
-        let want = local(&model, "10", "3", "0.7");
-        let got = through(&a.api, &[], "10", "3", "0.7");
+        let (a, b, l) = swarm_with_liar(dir.path(), &model, &["--audit-rate", "1"], fault);
+        // 24 tokens: a liar on half its hops (stale:0.5) lies at least once but with
+        // probability 2^-23 (its fault coins are per generation, so this is random).
+        let want = local(&model, "24", "3", "0.7");
+        let got = through(&a.api, &[], "24", "3", "0.7");
         // The client ends with the honest tokens and final logits.
         assert_eq!(got["tokens"], want["tokens"], "{fault}");
         assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
         assert_eq!(
-            excluded(&a),
+            a.excluded(),
             vec![l.peer_id.clone()],
             "{fault}: the head excludes the liar"
         );
@@ -119,7 +62,7 @@ fn every_kind_of_lie_is_caught_proven_and_excluded() {
         wait_until(
             "the honest peer to exclude the liar",
             Duration::from_secs(30),
-            || excluded(&b) == vec![l.peer_id.clone()],
+            || b.excluded() == vec![l.peer_id.clone()],
         );
         let audits = &a.status()["audits"];
         assert!(audits["failed"].as_u64().unwrap() >= 1, "{fault}: {audits}");
@@ -153,7 +96,8 @@ fn every_kind_of_lie_is_caught_proven_and_excluded() {
 fn verify_all_releases_only_checked_tokens() {
     let model = fixtures().join("gpt2");
     let dir = tempfile::tempdir().unwrap();
-    let (a, _b, l) = swarm_with_liar(dir.path(), &model, "flip-bit:0.3");
+    // Lying on half of 24 hops: it lies at all except with probability 2^-24.
+    let (a, _b, l) = swarm_with_liar(dir.path(), &model, &["--audit-rate", "1"], "flip-bit:0.5");
     // A second honest peer for 2..4, so every hop still has a second peer once the liar is out.
     let b2 = Daemon::start(
         dir.path(),
@@ -162,15 +106,15 @@ fn verify_all_releases_only_checked_tokens() {
         &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
     );
     wait_until("the second honest peer", Duration::from_secs(30), || {
-        sees_serving(&a, 3)
+        a.sees_serving(3)
     });
-    let got = through(&a.api, &["--verify", "all"], "12", "9", "0.9");
-    let want = local(&model, "12", "9", "0.9");
+    let got = through(&a.api, &["--verify", "all"], "24", "9", "0.9");
+    let want = local(&model, "24", "9", "0.9");
     assert_eq!(got["tokens"], want["tokens"]);
     assert_eq!(got["final_logits"], want["final_logits"]);
     // Nothing wrong was ever sent, so nothing needed correcting.
     assert_eq!(got["corrections"], serde_json::json!([]), "{got}");
-    assert_eq!(excluded(&a), vec![l.peer_id.clone()]);
+    assert_eq!(a.excluded(), vec![l.peer_id.clone()]);
     drop(b2);
 }
 
@@ -212,7 +156,7 @@ fn honest_swarms_never_fail_an_audit() {
         &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
     );
     wait_until("the swarm", Duration::from_secs(30), || {
-        sees_serving(&a, 3) && sees_serving(&b, 3)
+        a.sees_serving(3) && b.sees_serving(3)
     });
     for seed in 0..6 {
         let s = seed.to_string();
@@ -231,7 +175,7 @@ fn honest_swarms_never_fail_an_audit() {
         let au = &d.status()["audits"];
         run += au["run"].as_u64().unwrap();
         failed += au["failed"].as_u64().unwrap();
-        assert!(excluded(d).is_empty());
+        assert!(d.excluded().is_empty());
     }
     assert!(run > 20, "audits must actually run: {run}");
     assert_eq!(failed, 0, "an honest swarm never fails an audit");

@@ -115,18 +115,10 @@ impl PackedWeights {
         let panels = n.div_ceil(PANEL);
         let n_pad = panels * PANEL;
         let mut col_exp = vec![BlockScale::ZERO_BLOCK.e; n_pad * blocks];
-        let mut col_exp_min = vec![BlockScale::ZERO_BLOCK.e as i32; n_pad];
-        let mut col_fast = vec![true; n_pad];
-        for j in 0..n {
-            let sc = &scales[j * blocks..(j + 1) * blocks];
-            for (b, s) in sc.iter().enumerate() {
-                col_exp[j * blocks + b] = s.e;
-            }
-            let lo = sc.iter().map(|s| s.e as i32).min().unwrap_or(0);
-            let hi = sc.iter().map(|s| s.e as i32).max().unwrap_or(0);
-            col_exp_min[j] = lo;
-            col_fast[j] = hi - lo <= COL_SPAN_FAST && lo >= -EXP_FAST && hi <= EXP_FAST;
+        for (e, s) in col_exp.iter_mut().zip(scales) {
+            *e = s.e;
         }
+        let (col_exp_min, col_fast) = column_facts(&col_exp, n, blocks);
         let mut data = AlignedBytes::zeroed(panels * blocks * RECORD);
         let mut panel_meta = Vec::with_capacity(panels);
         let out = data.as_mut_slice();
@@ -238,6 +230,22 @@ impl PackedWeights {
     }
 }
 
+/// Per column of `col_exp` (`n_pad × blocks`, the first `n` real): the smallest block exponent
+/// (the zero block's for padding) and whether the fast kernels may take it.
+fn column_facts(col_exp: &[i16], n: usize, blocks: usize) -> (Vec<i32>, Vec<bool>) {
+    let n_pad = col_exp.len() / blocks;
+    let mut col_exp_min = vec![BlockScale::ZERO_BLOCK.e as i32; n_pad];
+    let mut col_fast = vec![true; n_pad];
+    for j in 0..n {
+        let es = &col_exp[j * blocks..(j + 1) * blocks];
+        let lo = es.iter().map(|&e| e as i32).min().unwrap_or(0);
+        let hi = es.iter().map(|&e| e as i32).max().unwrap_or(0);
+        col_exp_min[j] = lo;
+        col_fast[j] = hi - lo <= COL_SPAN_FAST && lo >= -EXP_FAST && hi <= EXP_FAST;
+    }
+    (col_exp_min, col_fast)
+}
+
 /// Leads every stored packing; the digit is the format version.
 const STORED_MAGIC: &[u8; 8] = b"DCPACK01";
 
@@ -299,21 +307,14 @@ impl PackedWeights {
             .map(|c| i16::from_le_bytes([c[0], c[1]]))
             .collect();
 
-        let mut col_exp_min = vec![BlockScale::ZERO_BLOCK.e as i32; n_pad];
-        let mut col_fast = vec![true; n_pad];
-        for j in 0..n_pad {
-            let es = &col_exp[j * blocks..(j + 1) * blocks];
-            if j >= n {
-                if es.iter().any(|&e| e != BlockScale::ZERO_BLOCK.e) {
-                    return Err(bad(format!("padding column {j} has exponents")));
-                }
-                continue;
-            }
-            let lo = es.iter().map(|&e| e as i32).min().unwrap_or(0);
-            let hi = es.iter().map(|&e| e as i32).max().unwrap_or(0);
-            col_exp_min[j] = lo;
-            col_fast[j] = hi - lo <= COL_SPAN_FAST && lo >= -EXP_FAST && hi <= EXP_FAST;
+        if let Some(j) = (n..n_pad).find(|j| {
+            col_exp[j * blocks..(j + 1) * blocks]
+                .iter()
+                .any(|&e| e != BlockScale::ZERO_BLOCK.e)
+        }) {
+            return Err(bad(format!("padding column {j} has exponents")));
         }
+        let (col_exp_min, col_fast) = column_facts(&col_exp, n, blocks);
         let mut panel_meta = Vec::with_capacity(panels);
         for p in 0..panels {
             let mut meta = PanelMeta {

@@ -9,6 +9,7 @@
 //! Writes go through a temporary file and a rename, so a crash never leaves half an entry. The
 //! cache is only an optimisation: failing to read or write it never fails a load.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use dc_kernels::{PackedWeights, WeightLayout};
@@ -53,14 +54,15 @@ impl WeightCache {
     }
 
     /// The packing of matrix `name` (`k × n`, stored as `layout`): from the cache if it holds a
-    /// valid one, else `load()`ed, quantised and stored.
-    pub fn packed(
+    /// valid one, else `load()`ed (borrowed when the caller already holds the values, as for a
+    /// tied output projection), quantised and stored.
+    pub fn packed<'w>(
         &self,
         name: &str,
         k: usize,
         n: usize,
         layout: WeightLayout,
-        load: impl FnOnce() -> Result<Vec<f32>>,
+        load: impl FnOnce() -> Result<Cow<'w, [f32]>>,
     ) -> Result<PackedWeights> {
         let file = self.entry(name, k, n, layout);
         if let Ok(bytes) = std::fs::read(&file) {
@@ -94,13 +96,13 @@ impl WeightCache {
 }
 
 /// Packs `name` through `cache` when there is one.
-pub(crate) fn packed(
+pub(crate) fn packed<'w>(
     cache: Option<&WeightCache>,
     name: &str,
     k: usize,
     n: usize,
     layout: WeightLayout,
-    load: impl FnOnce() -> Result<Vec<f32>>,
+    load: impl FnOnce() -> Result<Cow<'w, [f32]>>,
 ) -> Result<PackedWeights> {
     match cache {
         Some(c) => c.packed(name, k, n, layout, load),

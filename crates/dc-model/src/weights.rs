@@ -8,6 +8,7 @@
 //! The file mirrors the checkpoints it reads: GPT-2's fused `c_attn` stored `[in, out]` is cut
 //! into q, k and v here; Llama-family projections are stored `[out, in]`.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use dc_kernels::{Gemm, PackedWeights, QuantizedRows, WeightLayout};
@@ -176,7 +177,7 @@ fn linear_nk(
 ) -> Result<Linear> {
     let wname = format!("{name}.weight");
     let w = packed(cache, &wname, k, n, WeightLayout::NByK, || {
-        load(src, &wname, &[n, k])
+        load(src, &wname, &[n, k]).map(Cow::Owned)
     })?;
     let bias = if bias {
         Some(load(src, &format!("{name}.bias"), &[n])?)
@@ -196,7 +197,7 @@ fn linear_kn(
 ) -> Result<Linear> {
     let wname = format!("{name}.weight");
     let w = packed(cache, &wname, k, n, WeightLayout::KByN, || {
-        load(src, &wname, &[k, n])
+        load(src, &wname, &[k, n]).map(Cow::Owned)
     })?;
     let b = load(src, &format!("{name}.bias"), &[n])?;
     Ok(Linear { w, bias: Some(b) })
@@ -251,7 +252,7 @@ pub fn load_layer(
                     for row in all.chunks_exact(3 * h) {
                         w.extend_from_slice(&row[j * h..(j + 1) * h]);
                     }
-                    Ok(w)
+                    Ok(Cow::Owned(w))
                 })?;
                 Ok(Linear {
                     w,
@@ -333,7 +334,7 @@ pub fn load_head(
                 h,
                 v,
                 WeightLayout::NByK,
-                || Ok(embed.clone()),
+                || Ok(Cow::Borrowed(&embed)),
             )?;
             Ok(Head {
                 positions: Some(load(
@@ -361,11 +362,11 @@ pub fn load_head(
                     h,
                     v,
                     WeightLayout::NByK,
-                    || Ok(embed.clone()),
+                    || Ok(Cow::Borrowed(&embed)),
                 )?
             } else {
                 packed(cache, "lm_head.weight", h, v, WeightLayout::NByK, || {
-                    load(src, "lm_head.weight", &[v, h])
+                    load(src, "lm_head.weight", &[v, h]).map(Cow::Owned)
                 })?
             };
             Ok(Head {

@@ -40,23 +40,15 @@ fn text_fixture_kl_top1_and_perplexity() {
         .prefill_all(&gemm, &ids, 64)
         .unwrap();
     let n = ids.len();
-    let (mut kl_sum, mut kl_max, mut cos_min, mut same, mut nll) = (0.0, 0f64, 1f64, 0, 0.0);
-    for i in 0..n {
-        let r = &reference[i * vocab..(i + 1) * vocab];
-        let o = &ours[i * vocab..(i + 1) * vocab];
-        let k = kl(r, o);
-        kl_sum += k;
-        kl_max = kl_max.max(k);
-        cos_min = cos_min.min(centred_cosine(r, o));
-        if top1_margin(r).0 == argmax(o) {
-            same += 1;
-        }
-        if i + 1 < n {
-            nll += dc_kernels::elementwise::log_sum_exp(o) - o[ids[i + 1] as usize] as f64;
-        }
-    }
-    let kl_mean = kl_sum / n as f64;
-    let top1 = same as f64 / n as f64;
+    // With τ = 0 every position is gated, so the gated misses are all top-1 disagreements.
+    let (kl_mean, kl_max, cos_min, misses, _) = measure(&reference, &ours, vocab, 0.0);
+    let top1 = (n - misses) as f64 / n as f64;
+    let nll: f64 = (0..n - 1)
+        .map(|i| {
+            let o = &ours[i * vocab..(i + 1) * vocab];
+            dc_kernels::elementwise::log_sum_exp(o) - o[ids[i + 1] as usize] as f64
+        })
+        .sum();
     let ppl = (nll / (n - 1) as f64).exp();
     let reference_ppl = 26.007338923632464;
     eprintln!(

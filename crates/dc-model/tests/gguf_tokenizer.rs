@@ -2,6 +2,8 @@
 //! test code: each supported pre-tokenizer's distinguishing behaviour, BOS handling, special
 //! tokens, and refusal of what we cannot build.
 
+#[path = "support/byte_level.rs"]
+mod byte_level;
 #[path = "gguf_writer.rs"]
 mod gguf_writer;
 
@@ -9,28 +11,6 @@ use dc_model::gguf::GgufFile;
 use dc_model::tokenizer::{load_for_model, ChatMessage, Tokenizer};
 use dc_model::ModelError;
 use gguf_writer::{f32_bytes, llama_meta, s, str_arr, ty, write_file, Gguf, Val};
-
-/// GPT-2's byte → printable character map.
-fn byte_chars() -> Vec<String> {
-    let mut bs: Vec<u32> = (u32::from(b'!')..=u32::from(b'~'))
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut map = vec![String::new(); 256];
-    for (b, c) in bs.iter().zip(cs) {
-        map[*b as usize] = char::from_u32(c).expect("test setup").to_string();
-    }
-    map
-}
 
 const EXTRA: [&str; 8] = ["12", "123", "Ġw", "Ġwo", "Ġwor", "<bos>", "<eos>", "<tool>"];
 const BOS: u32 = 261;
@@ -40,7 +20,10 @@ const TOOL: u32 = 263;
 /// Tokens: 256 bytes, "12", "123", "Ġw", "Ġwo", "Ġwor", then `<bos>` `<eos>` (control) and
 /// `<tool>` (user-defined).
 fn vocab_meta(g: Gguf, pre: Option<&str>) -> Gguf {
-    let mut tokens = byte_chars();
+    let mut tokens: Vec<String> = byte_level::byte_chars()
+        .iter()
+        .map(char::to_string)
+        .collect();
     tokens.extend(EXTRA.iter().map(|x| x.to_string()));
     let refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
     let mut types = vec![Val::I32(1); 256 + 5];

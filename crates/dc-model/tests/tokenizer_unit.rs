@@ -4,35 +4,17 @@
 //! (`ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
 //! extensions=[loopcontrols])`, HF's `tojson` and `raise_exception`).
 
+#[path = "support/byte_level.rs"]
+mod byte_level;
+
 use std::path::PathBuf;
 
+use byte_level::byte_chars;
 use dc_model::tokenizer::{
     load_for_model, ChatMessage, ChatTemplate, StreamDecoder, Tokenizer, STREAM_MAX_PENDING,
 };
 use dc_model::ModelError;
 use serde_json::json;
-
-/// GPT-2's byte → printable character map.
-fn byte_chars() -> Vec<char> {
-    let mut bs: Vec<u32> = (u32::from(b'!')..=u32::from(b'~'))
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut map = vec!['\0'; 256];
-    for (b, c) in bs.iter().zip(cs) {
-        map[*b as usize] = char::from_u32(c).expect("test setup");
-    }
-    map
-}
 
 /// Ids 0..255 are the bytes; 256 "he", 257 "ll", 258 "hell"; 259 `<s>`, 260 `</s>`.
 fn tiny_tokenizer_json() -> String {
