@@ -22,6 +22,7 @@ pub mod verify;
 pub mod view;
 
 pub use config::{LayerChoice, NodeConfig};
+pub use node::{run, Node};
 
 /// Whether this build can lie on request (the `fault-injection` feature, for tests only).
 pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
@@ -45,4 +46,3 @@ pub fn inject_fault(spec: &str) -> Result<(), String> {
         ))
     }
 }
-pub use node::{run, Node};
