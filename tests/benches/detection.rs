@@ -1,8 +1,16 @@
-//! Detection rate of sampled audits, measured with real daemons and set against the policy's
-//! analysis. A liar serving layers 2..4 of the Llama fixture lies (`flip-bit`) on a fraction
-//! `f` of its hops; the head audits each remote hop with probability `p`. For a generation with
-//! `H` hops on the liar, docs/VERIFICATION.md predicts detection with probability
-//! `1 − (1 − f·p)^H`; this counts how often the liar is actually proven and excluded.
+//! Detection rates of sampled audits and of spot checks, measured with real daemons and set
+//! against the policy's analysis. A liar serving layers 2..4 of the Llama fixture lies
+//! (`flip-bit`: one bit of one output row) on a fraction `f` of its hops.
+//!
+//! - Audits only: the head audits each remote hop with probability `p`. For a generation with
+//!   `H` hops on the liar, docs/VERIFICATION.md predicts detection with probability
+//!   `1 − (1 − f·p)^H`.
+//! - Spot checks only: the head checks each layer of each remote hop with probability `c`, at
+//!   one random row. The flipped output shows only in the last layer, and only at the flipped
+//!   row: a one-row (decode) hop is caught with probability `c`, the 9-row prefill with `c/9`,
+//!   so `1 − (1 − f·c/9)·(1 − f·c)^(H−1)`.
+//!
+//! Each counts how often the liar is actually proven and excluded.
 //!
 //! ```text
 //! cargo bench -p dc-tests --bench detection            # DETECTION_TRIALS=N (default 40)
@@ -23,9 +31,12 @@ struct Swarm {
     liar: Daemon,
 }
 
-fn swarm(model: &Path, f: f64) -> Swarm {
+fn swarm(model: &Path, f: f64, spot_rate: f64) -> Swarm {
     let dir = tempfile::tempdir().unwrap();
-    let (head, honest, liar) = swarm_with_liar(dir.path(), model, &[], &format!("flip-bit:{f}"));
+    let spot = spot_rate.to_string();
+    let head_extra = ["--spot-check-rate", spot.as_str()];
+    let fault = format!("flip-bit:{f}");
+    let (head, honest, liar) = swarm_with_liar(dir.path(), model, &head_extra, &fault);
     Swarm {
         _dir: dir,
         head,
@@ -46,15 +57,25 @@ fn main() {
     let model = fixtures().join("llama");
     println!("{trials} generations of {TOKENS} tokens per row; the liar routes every 2..4 hop");
     println!(
-        "   f     p   hops H   predicted   measured (caught/trials)   audits run, unavailable"
+        "   f  audit p  spot c  hops H   predicted   measured (caught/trials)   checks run, unavailable"
     );
-    for (f, p) in [(0.1, 0.1), (0.3, 0.1), (0.1, 0.3), (0.3, 0.3), (1.0, 0.1)] {
+    let rows = [
+        (0.1, 0.1, 0.0),
+        (0.3, 0.1, 0.0),
+        (0.1, 0.3, 0.0),
+        (0.3, 0.3, 0.0),
+        (1.0, 0.1, 0.0),
+        (0.3, 0.0, 0.3),
+        (1.0, 0.0, 0.1),
+        (0.1, 0.0, 1.0),
+    ];
+    for (f, p, c) in rows {
         let mut caught = 0;
         let (mut audits, mut unavailable) = (0, 0);
         let mut full_hops = Vec::new();
         let mut s: Option<Swarm> = None;
         for t in 0..trials {
-            let sw = s.get_or_insert_with(|| swarm(&model, f));
+            let sw = s.get_or_insert_with(|| swarm(&model, f, c));
             let before = hops(&sw.liar);
             let seed = t.to_string();
             let rate = p.to_string();
@@ -77,8 +98,11 @@ fn main() {
             let status = sw.head.status();
             let excluded = !status["excluded_peers"].as_array().unwrap().is_empty();
             if excluded || t + 1 == trials {
-                audits += status["audits"]["run"].as_u64().unwrap();
-                unavailable += status["audits"]["unavailable"].as_u64().unwrap();
+                let a = &status["audits"];
+                let spot = &a["spot_checks"];
+                audits += a["run"].as_u64().unwrap() + spot["run"].as_u64().unwrap();
+                unavailable +=
+                    a["unavailable"].as_u64().unwrap() + spot["unavailable"].as_u64().unwrap();
             }
             if excluded {
                 caught += 1;
@@ -89,9 +113,10 @@ fn main() {
         }
         // H: the liar's hops in a generation it was not caught in (all of them).
         let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
-        let predicted = 1.0 - (1.0 - f * p).powf(h);
+        let predicted =
+            1.0 - (1.0 - f * p).powf(h) * (1.0 - f * c / 9.0) * (1.0 - f * c).powf(h - 1.0);
         println!(
-            "{f:5.2} {p:5.2} {h:8.0} {predicted:11.3} {:10.3} ({caught}/{trials})   {audits}, {unavailable}",
+            "{f:5.2} {p:8.2} {c:7.2} {h:7.0} {predicted:11.3} {:10.3} ({caught}/{trials})   {audits}, {unavailable}",
             caught as f64 / trials as f64
         );
     }

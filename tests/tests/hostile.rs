@@ -132,6 +132,44 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     }
     let (kind, _) = refused(client.stage_request(victim, h).await);
     assert_eq!(kind, HopErrorKind::WrongLayers);
+    // Reveals: of a hop it served, fine; of anything else, an error naming what is wrong.
+    let good = hop(model_id, 0, 64, vec![0.5; 64]);
+    let StageRequest::Hop(served) = &good else {
+        unreachable!()
+    };
+    let generation = served.generation;
+    let answer = client.stage_request(victim, good.clone()).await.unwrap();
+    assert!(
+        matches!(&answer, StageResponse::Hop(h) if matches!(**h, HopResponse::Done { .. })),
+        "{answer:?}"
+    );
+    let reveal = |step: u64, picks: Vec<(u32, u32)>| {
+        StageRequest::Reveal(RevealRequest {
+            generation,
+            step,
+            picks: picks
+                .into_iter()
+                .map(|(layer, position)| RevealPick { layer, position })
+                .collect(),
+        })
+    };
+    let revealed = |r: Result<StageResponse, dc_net::NetError>| match r {
+        Ok(StageResponse::Reveal(r)) => r,
+        other => panic!("expected a reveal answer, got {other:?}"),
+    };
+    let ok = revealed(client.stage_request(victim, reveal(0, vec![(1, 0)])).await).unwrap();
+    assert_eq!((ok.len(), ok[0].layer, ok[0].rows.len()), (1, 1, 8));
+    for (step, picks, why) in [
+        (0, vec![(9, 0)], "layer 9 is not in this hop"),
+        (0, vec![(1, 5)], "position 5 is not in this hop"),
+        (3, vec![(1, 0)], "is not kept here"),
+        (0, vec![], "0 picks"),
+        (0, vec![(1, 0); 257], "257 picks"),
+    ] {
+        let err = revealed(client.stage_request(victim, reveal(step, picks)).await).unwrap_err();
+        assert!(err.contains(why), "{err}");
+    }
+
     // Over the size cap: 2 MB of activations against a 1 MiB limit. The daemon refuses to read
     // it; the sender sees the request fail.
     let big = hop(model_id, 0, 64, vec![0.5; 512 * 1024]);

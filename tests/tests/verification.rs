@@ -40,55 +40,77 @@ fn through(api: &str, extra: &[&str], max_new: &str, seed: &str, t: &str) -> Val
     run(&["--api", api], extra, max_new, seed, t)
 }
 
+/// Runs a swarm with a liar (`fault`) whose head checks as `head_extra` says; the lie must be
+/// caught, proven, and the liar excluded by the head and by the honest peer, with the client
+/// ending with the honest tokens. Returns the head's status `audits` section.
+fn lie_is_caught(model: &Path, head_extra: &[&str], fault: &str) -> Value {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, l) = swarm_with_liar(dir.path(), model, head_extra, fault);
+    // 24 tokens: a liar on half its hops (stale:0.5) lies at least once but with
+    // probability 2^-23 (its fault coins are per generation, so this is random).
+    let want = local(model, "24", "3", "0.7");
+    let got = through(&a.api, &[], "24", "3", "0.7");
+    // The client ends with the honest tokens and final logits.
+    assert_eq!(got["tokens"], want["tokens"], "{fault}");
+    assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
+    assert_eq!(
+        a.excluded(),
+        vec![l.peer_id.clone()],
+        "{fault}: the head excludes the liar"
+    );
+    // The honest stage fetches the gossiped proof, checks it itself, and excludes too.
+    wait_until(
+        "the honest peer to exclude the liar",
+        Duration::from_secs(30),
+        || b.excluded() == vec![l.peer_id.clone()],
+    );
+    let audits = a.status()["audits"].clone();
+    // The liar is out of every route: the next generation never touches it.
+    let hops_before = l.status()["hops_served"].as_u64().unwrap();
+    let again = through(&a.api, &[], "6", "1", "0");
+    assert_eq!(again["tokens"], local(model, "6", "1", "0")["tokens"]);
+    assert_eq!(
+        l.status()["hops_served"].as_u64().unwrap(),
+        hops_before,
+        "{fault}: routes avoid the liar"
+    );
+    // The proof file verifies with anyone's copy of the weights.
+    let proofs: Vec<_> = std::fs::read_dir(a.data.join("proofs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(proofs.len(), 1, "{fault}");
+    let out = run_dcd(&[
+        "verify-proof",
+        proofs[0].to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+    ]);
+    assert!(out.starts_with("valid"), "{fault}: {out}");
+    audits
+}
+
 #[test]
 fn every_kind_of_lie_is_caught_proven_and_excluded() {
     let model = fixtures().join("llama");
     for fault in ["flip-bit", "skip-layer", "other-weights", "stale:0.5"] {
-        let dir = tempfile::tempdir().unwrap();
-        let (a, b, l) = swarm_with_liar(dir.path(), &model, &["--audit-rate", "1"], fault);
-        // 24 tokens: a liar on half its hops (stale:0.5) lies at least once but with
-        // probability 2^-23 (its fault coins are per generation, so this is random).
-        let want = local(&model, "24", "3", "0.7");
-        let got = through(&a.api, &[], "24", "3", "0.7");
-        // The client ends with the honest tokens and final logits.
-        assert_eq!(got["tokens"], want["tokens"], "{fault}");
-        assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
-        assert_eq!(
-            a.excluded(),
-            vec![l.peer_id.clone()],
-            "{fault}: the head excludes the liar"
-        );
-        // The honest stage fetches the gossiped proof, checks it itself, and excludes too.
-        wait_until(
-            "the honest peer to exclude the liar",
-            Duration::from_secs(30),
-            || b.excluded() == vec![l.peer_id.clone()],
-        );
-        let audits = &a.status()["audits"];
+        let extra = ["--audit-rate", "1", "--spot-check-rate", "0"];
+        let audits = lie_is_caught(&model, &extra, fault);
         assert!(audits["failed"].as_u64().unwrap() >= 1, "{fault}: {audits}");
-        // The liar is out of every route: the next generation never touches it.
-        let hops_before = l.status()["hops_served"].as_u64().unwrap();
-        let again = through(&a.api, &[], "6", "1", "0");
-        assert_eq!(again["tokens"], local(&model, "6", "1", "0")["tokens"]);
-        assert_eq!(
-            l.status()["hops_served"].as_u64().unwrap(),
-            hops_before,
-            "{fault}: routes avoid the liar"
-        );
-        // The proof file verifies with anyone's copy of the weights.
-        let proofs: Vec<_> = std::fs::read_dir(a.data.join("proofs"))
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .collect();
-        assert_eq!(proofs.len(), 1, "{fault}");
-        let out = run_dcd(&[
-            "verify-proof",
-            proofs[0].to_str().unwrap(),
-            "--model",
-            model.to_str().unwrap(),
-        ]);
-        assert!(out.starts_with("valid"), "{fault}: {out}");
-        drop((a, b, l));
+        assert_eq!(audits["spot_checks"]["run"], 0, "{fault}: {audits}");
+    }
+}
+
+#[test]
+fn spot_checks_alone_catch_every_kind_of_lie() {
+    // No replay audits: only revealed rows, Freivalds' test and the glue recomputed.
+    let model = fixtures().join("qwen2");
+    for fault in ["flip-bit", "skip-layer", "other-weights", "stale:0.5"] {
+        let extra = ["--audit-rate", "0", "--spot-check-rate", "1"];
+        let audits = lie_is_caught(&model, &extra, fault);
+        let spot = &audits["spot_checks"];
+        assert!(spot["failed"].as_u64().unwrap() >= 1, "{fault}: {audits}");
+        assert_eq!(audits["run"], 0, "{fault}: no replay audit ran: {audits}");
     }
 }
 
@@ -128,7 +150,14 @@ fn honest_swarms_never_fail_an_audit() {
         dir.path(),
         "a",
         &model,
-        &["--layers", "0..2", "--audit-rate", "1"],
+        &[
+            "--layers",
+            "0..2",
+            "--audit-rate",
+            "1",
+            "--spot-check-rate",
+            "1",
+        ],
     );
     let b = Daemon::start(
         dir.path(),
@@ -140,6 +169,8 @@ fn honest_swarms_never_fail_an_audit() {
             "--bootstrap",
             &a.addr,
             "--audit-rate",
+            "1",
+            "--spot-check-rate",
             "1",
         ],
     );
@@ -170,14 +201,18 @@ fn honest_swarms_never_fail_an_audit() {
         );
         assert_eq!(got["tokens"], local(&model, "21", &s, "1.0")["tokens"]);
     }
-    let (mut run, mut failed) = (0, 0);
+    let (mut run, mut failed, mut spot_run, mut spot_failed) = (0, 0, 0, 0);
     for d in [&a, &b] {
         let au = &d.status()["audits"];
         run += au["run"].as_u64().unwrap();
         failed += au["failed"].as_u64().unwrap();
+        spot_run += au["spot_checks"]["run"].as_u64().unwrap();
+        spot_failed += au["spot_checks"]["failed"].as_u64().unwrap();
         assert!(d.excluded().is_empty());
     }
     assert!(run > 20, "audits must actually run: {run}");
     assert_eq!(failed, 0, "an honest swarm never fails an audit");
+    assert!(spot_run > 20, "spot checks must actually run: {spot_run}");
+    assert_eq!(spot_failed, 0, "an honest swarm never fails a spot check");
     drop((c, d));
 }

@@ -19,6 +19,7 @@ use crate::quant::{QuantizedRows, BLOCK};
 /// The prime: 2^61 − 1.
 pub const P: u64 = (1 << 61) - 1;
 
+/// `x mod p` for `x < 2^125` (the high part must fit a u64).
 #[inline]
 fn reduce(x: u128) -> u64 {
     // x mod (2^61 − 1) by folding: 2^61 ≡ 1.
@@ -54,6 +55,26 @@ fn pow2(e: i32) -> u64 {
     1u64 << e.rem_euclid(61)
 }
 
+/// `x · 2^e mod p` for `x < p`: multiplying by a power of two modulo a Mersenne prime is a
+/// rotation of its 61 bits.
+#[inline]
+fn times_pow2(x: u64, e: i32) -> u64 {
+    let k = e.rem_euclid(61) as u32;
+    ((x << k) & P) | (x >> (61 - k))
+}
+
+/// A signed 128-bit integer modulo p (`reduce` takes values below 2^125, so first fold the
+/// magnitude below `p · 2^64`).
+#[inline]
+fn signed_wide(v: i128) -> u64 {
+    let m = reduce(v.unsigned_abs() % ((P as u128) << 64));
+    if v < 0 && m != 0 {
+        P - m
+    } else {
+        m
+    }
+}
+
 /// A signed integer modulo p.
 #[inline]
 fn signed(v: i64) -> u64 {
@@ -68,7 +89,7 @@ fn signed(v: i64) -> u64 {
 /// An exact value modulo p.
 pub fn exact_mod(e: &Exact) -> u64 {
     match e {
-        Exact::Small { mant, exp } => mul(signed(*mant), pow2(*exp)),
+        Exact::Small { mant, exp } => times_pow2(signed(*mant), *exp),
         Exact::Wide { neg, mag, exp } => {
             // Σ limb_i · 2^(64 i), then the sign and the power of two.
             let mut acc = 0u64;
@@ -126,18 +147,48 @@ impl FreivaldsKey {
         for (j, &rj) in self.r.iter().enumerate() {
             lhs = add(lhs, mul(exact_mod(&acc.get(row, j)), rj));
         }
+        lhs == self.input_side(x, row)
+    }
+
+    /// Checks claimed exact values of row `row` of `x · W` (a row revealed by a stage).
+    pub fn check_values(&self, x: &QuantizedRows, row: usize, values: &[Exact]) -> bool {
+        if values.len() != self.r.len() || row >= x.rows() || x.blocks() * BLOCK != self.u.len() {
+            return false;
+        }
+        // Products are below 2^122; `reduce` takes sums below 2^125, so 8 at a time.
+        let mut lhs = 0u64;
+        for (vs, rs) in values.chunks(8).zip(self.r.chunks(8)) {
+            let s: u128 = vs
+                .iter()
+                .zip(rs)
+                .map(|(v, &rj)| exact_mod(v) as u128 * rj as u128)
+                .sum();
+            lhs = add(lhs, reduce(s));
+        }
+        lhs == self.input_side(x, row)
+    }
+
+    /// `x_row · (W · r)`.
+    fn input_side(&self, x: &QuantizedRows, row: usize) -> u64 {
         let mut rhs = 0u64;
         for b in 0..x.blocks() {
             let s = x.scale(row, b);
-            let mut dot = 0u64;
-            for (t, &q) in x.block(row, b).iter().enumerate() {
-                if q != 0 {
-                    dot = add(dot, mul(signed(q as i64), self.u[b * BLOCK + t]));
-                }
-            }
-            rhs = add(rhs, mul(dot, mul(s.m as u64, pow2(s.e as i32))));
+            // |q · u| < 2^68, so a block's 32 terms sum exactly in an i128.
+            let dot: i128 = x
+                .block(row, b)
+                .iter()
+                .zip(&self.u[b * BLOCK..(b + 1) * BLOCK])
+                .map(|(&q, &u)| q as i128 * u as i128)
+                .sum();
+            let scale = times_pow2(s.m as u64, s.e as i32);
+            rhs = add(rhs, mul(signed_wide(dot), scale));
         }
-        lhs == rhs
+        rhs
+    }
+
+    /// Output columns the key checks.
+    pub fn cols(&self) -> usize {
+        self.r.len()
     }
 
     /// Checks every row; returns the first failing one.
@@ -162,6 +213,27 @@ mod tests {
         assert_eq!(reduce((P as u128) * (P as u128) + 5), 5);
         assert_eq!(mul(pow2(-1), 2), 1, "2^-1 is the inverse of 2");
         assert_eq!(mul(pow2(-70), pow2(70)), 1);
+        for x in [0, 1, 5, P - 1, 1 << 60, 123_456_789_012_345] {
+            for e in [-200, -61, -1, 0, 1, 13, 60, 61, 62, 1000] {
+                assert_eq!(times_pow2(x, e), mul(x, pow2(e)), "{x} · 2^{e}");
+            }
+        }
+        for v in [
+            0i128,
+            1,
+            -1,
+            (P as i128) << 3,
+            -((1i128 << 73) + 17),
+            i128::MAX,
+            i128::MIN + 1,
+        ] {
+            let want = if v < 0 {
+                (P - (v.unsigned_abs() % P as u128) as u64) % P
+            } else {
+                (v as u128 % P as u128) as u64
+            };
+            assert_eq!(signed_wide(v), want, "{v}");
+        }
         assert_eq!(add(signed(-3), 3), 0);
         let w = Exact::Wide {
             neg: true,

@@ -19,6 +19,7 @@ pub mod gemm;
 pub mod golden;
 pub mod pack;
 pub mod quant;
+pub mod reveal;
 pub mod rng;
 
 pub use commit::{Commitment, Domain};

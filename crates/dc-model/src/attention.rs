@@ -13,6 +13,7 @@ use dc_kernels::commit::{exact_row_leaf, gemm_commitment, merkle_root};
 use dc_kernels::elementwise::softmax;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
+use dc_kernels::reveal::{leaf_of_encoding, values_encoding};
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
@@ -217,11 +218,13 @@ pub fn attend(
     out: &mut [f32],
     layer: usize,
 ) -> Result<()> {
-    attend_committed(shape, cache, q, start, out, layer, None).map(|_| ())
+    attend_committed(shape, cache, q, start, out, layer, None, None).map(|_| ())
 }
 
 /// [`attend`], also committing to the exact values of both products for the positions from
-/// `commit_from` on, when given.
+/// `commit_from` on, when given; `keep_context` receives the canonical encoding of each
+/// committed row of the context (a stage keeps them to reveal rows later).
+#[allow(clippy::too_many_arguments)]
 pub fn attend_committed(
     shape: AttentionShape,
     cache: &LayerCache,
@@ -230,6 +233,7 @@ pub fn attend_committed(
     out: &mut [f32],
     layer: usize,
     commit_from: Option<usize>,
+    mut keep_context: Option<&mut Vec<Vec<u8>>>,
 ) -> Result<Option<AttentionCommitments>> {
     let (hd, heads) = (shape.head_dim, shape.heads);
     let rows = q.len() / (heads * hd);
@@ -292,7 +296,11 @@ pub fn attend_committed(
             c.extend_from_slice(&e.context);
         }
         sl.push(exact_row_leaf(start + t, &s));
-        cl.push(exact_row_leaf(start + t, &c));
+        let encoded = values_encoding(&c);
+        cl.push(leaf_of_encoding(start + t, c.len(), &encoded));
+        if let Some(k) = keep_context.as_deref_mut() {
+            k.push(encoded);
+        }
     }
     Ok(Some(AttentionCommitments {
         scores: gemm_commitment(sl.len(), heads, &merkle_root(&sl)),
@@ -328,6 +336,11 @@ fn head_attention(
     }
     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let n = pos + 1 - lo;
+    if let Some(e) = exact.as_deref_mut() {
+        // One allocation each instead of a doubling per few pushes.
+        e.scores.reserve_exact(n);
+        e.context.reserve_exact(hd);
+    }
     // Scores, exact per key, then the f32 scale.
     let mut scores = vec![0f32; n];
     let mut terms = Vec::with_capacity(hb);

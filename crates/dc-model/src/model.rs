@@ -17,6 +17,7 @@ use crate::attention::{attend_committed, AttentionShape, LayerCache};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::hf::{read_json, SafetensorsSource};
+use crate::reveal::{Kept, KeptHop, KeptLayer};
 use crate::source::TensorSource;
 use crate::trace::{HopTrace, Point};
 use crate::weight_cache::WeightCache;
@@ -143,6 +144,128 @@ impl KvCache {
             caches: self.caches[a..a + layers.len()].to_vec(),
             layers,
         })
+    }
+}
+
+/// Where a block's products come from: run on the weights (a stage), or revealed by a stage
+/// and checked (a spot check). The glue between them is the same code either way, so a check
+/// recomputes exactly what the stage computed.
+pub(crate) trait Products {
+    /// `x · W (+ bias)` of the weight product at `point`, into `out`.
+    fn linear(&mut self, point: Point, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()>;
+    /// The attention context (`rows × q_width`) of rows at `start..` from their projections
+    /// (RoPE not yet applied).
+    fn attention(&mut self, q: Vec<f32>, k: Vec<f32>, v: &[f32], start: usize) -> Result<Vec<f32>>;
+}
+
+/// A block's parameters outside its products: the norms and the MLP's kind.
+pub(crate) struct Glue<'a> {
+    pub attn_norm: &'a Norm,
+    pub mlp_norm: &'a Norm,
+    pub gelu: bool,
+}
+
+impl Glue<'_> {
+    fn of(l: &Layer) -> Glue<'_> {
+        Glue {
+            attn_norm: &l.attn_norm,
+            mlp_norm: &l.mlp_norm,
+            gelu: matches!(l.mlp, Mlp::Gelu { .. }),
+        }
+    }
+}
+
+/// A stage's products: run on its weights and cache, committed into the trace and kept for
+/// reveals when asked.
+struct Compute<'a> {
+    model: &'a Model,
+    gemm: &'a Gemm,
+    layer: &'a Layer,
+    index: usize,
+    cache: &'a mut LayerCache,
+    /// `(first row's position, first committed position)` when committing.
+    first: Option<(usize, usize)>,
+    trace: Option<&'a mut HopTrace>,
+    keep: Option<&'a mut KeptLayer>,
+}
+
+impl Compute<'_> {
+    fn record(&mut self, point: Point, c: Option<Commitment>) {
+        if let (Some(t), Some(c)) = (self.trace.as_deref_mut(), c) {
+            t.push(self.index, point, c);
+        }
+    }
+}
+
+impl Products for Compute<'_> {
+    fn linear(&mut self, point: Point, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
+        let lin = self.layer.linear(point).ok_or_else(|| {
+            ModelError::Input(format!("layer {} has no {point:?} product", self.index))
+        })?;
+        let keep = self.keep.is_some();
+        let (c, acc) = lin.forward_kept(self.gemm, x, out, self.first, keep)?;
+        self.record(point, c);
+        if let (Some(k), Some(acc)) = (self.keep.as_deref_mut(), acc) {
+            k.keep(point, Kept::Gemm(acc));
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        mut q: Vec<f32>,
+        mut k: Vec<f32>,
+        v: &[f32],
+        start: usize,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.model.config;
+        if let Some(rope) = &self.model.rope {
+            let hd = cfg.head_dim;
+            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+        }
+        self.cache.append(&k, v)?;
+        let mut ctx = vec![0f32; q.len()];
+        let shape = AttentionShape {
+            heads: cfg.num_heads,
+            kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            window: cfg.sliding_window,
+        };
+        let mut kept_rows = self.keep.is_some().then(Vec::new);
+        let (cache, index, from) = (&*self.cache, self.index, self.first.map(|f| f.1));
+        let att = self.gemm.install(|| {
+            attend_committed(
+                shape,
+                cache,
+                &q,
+                start,
+                &mut ctx,
+                index,
+                from,
+                kept_rows.as_mut(),
+            )
+        })?;
+        self.record(Point::Scores, att.map(|a| a.scores));
+        self.record(Point::Context, att.map(|a| a.context));
+        if let (Some(k), Some(rows)) = (self.keep.as_deref_mut(), kept_rows) {
+            k.keep(
+                Point::Context,
+                Kept::Rows {
+                    cols: cfg.q_width(),
+                    rows,
+                },
+            );
+        }
+        Ok(ctx)
     }
 }
 
@@ -349,7 +472,39 @@ impl Model {
         gemm: &Gemm,
         x: Activations,
         cache: &mut KvCache,
+        trace: Option<&mut HopTrace>,
+    ) -> Result<Activations> {
+        self.run_range(gemm, x, cache, trace, None)
+    }
+
+    /// [`Model::run_layers_traced`] for a stage that keeps what it needs to reveal any row of
+    /// the hop's products later (a spot check). The hop must commit all its rows.
+    pub fn run_layers_kept(
+        &self,
+        gemm: &Gemm,
+        x: Activations,
+        cache: &mut KvCache,
+        trace: &mut HopTrace,
+    ) -> Result<(Activations, KeptHop)> {
+        if trace.from != x.start {
+            return Err(ModelError::Input(format!(
+                "a hop from position {} that commits only from {} cannot keep its rows",
+                x.start, trace.from
+            )));
+        }
+        let mut kept = KeptHop::default();
+        let y = self.run_range(gemm, x, cache, Some(trace), Some(&mut kept))?;
+        kept.output = Some(y.clone());
+        Ok((y, kept))
+    }
+
+    fn run_range(
+        &self,
+        gemm: &Gemm,
+        x: Activations,
+        cache: &mut KvCache,
         mut trace: Option<&mut HopTrace>,
+        mut keep: Option<&mut KeptHop>,
     ) -> Result<Activations> {
         let range = cache.layers();
         let stage = format!("layers {}..{}", range.start, range.end);
@@ -386,14 +541,21 @@ impl Model {
             if let Some(t) = trace.as_deref_mut() {
                 t.push(i, Point::Input, x.rows_from(t.from).commitment());
             }
-            x = self.block(
+            let mut kept = keep.is_some().then(|| KeptLayer::new(i, x.clone()));
+            let mut products = Compute {
+                model: self,
                 gemm,
                 layer,
-                i,
-                x,
-                &mut cache.caches[ci],
-                trace.as_deref_mut(),
-            )?;
+                index: i,
+                cache: &mut cache.caches[ci],
+                first: trace.as_deref().map(|t| (x.start, t.from)),
+                trace: trace.as_deref_mut(),
+                keep: kept.as_mut(),
+            };
+            x = self.block(&Glue::of(layer), i, x, &mut products)?;
+            if let (Some(k), Some(l)) = (keep.as_deref_mut(), kept) {
+                k.layers.push(l);
+            }
             x.check_finite(&stage, &i.to_string())?;
         }
         if let Some(t) = trace {
@@ -418,106 +580,62 @@ impl Model {
         out
     }
 
-    /// One transformer block.
-    #[allow(clippy::too_many_arguments)]
-    fn block(
+    /// One transformer block: the glue (norms, quantisation, activations, residuals) around
+    /// products that `products` supplies.
+    pub(crate) fn block(
         &self,
-        gemm: &Gemm,
-        l: &Layer,
+        glue: &Glue,
         i: usize,
         x: Activations,
-        cache: &mut LayerCache,
-        mut trace: Option<&mut HopTrace>,
+        products: &mut dyn Products,
     ) -> Result<Activations> {
         let cfg = &self.config;
         let (rows, start) = (x.rows(), x.start);
         let name = |what: &str| format!("layer {i} {what}");
-        let first = trace.as_deref().map(|t| (start, t.from));
-        let mut record = |p: Point, c: Option<Commitment>| {
-            if let (Some(t), Some(c)) = (trace.as_deref_mut(), c) {
-                t.push(i, p, c);
-            }
-        };
         // Attention.
-        let h1 = self.norm(&l.attn_norm, &x.data);
+        let h1 = self.norm(glue.attn_norm, &x.data);
         let qx = QuantizedRows::quantize(&h1, rows, cfg.hidden_size, &name("attention input"))?;
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        record(Point::Q, l.q.forward_committed(gemm, &qx, &mut q, first)?);
-        record(Point::K, l.k.forward_committed(gemm, &qx, &mut k, first)?);
-        record(Point::V, l.v.forward_committed(gemm, &qx, &mut v, first)?);
-        if let Some(rope) = &self.rope {
-            let hd = cfg.head_dim;
-            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
-                for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
-                }
-            }
-            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
-                for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
-                }
-            }
-        }
-        cache.append(&k, &v)?;
-        let mut ctx = vec![0f32; rows * cfg.q_width()];
-        let shape = AttentionShape {
-            heads: cfg.num_heads,
-            kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            window: cfg.sliding_window,
-        };
-        let att = gemm.install(|| {
-            attend_committed(shape, cache, &q, start, &mut ctx, i, first.map(|f| f.1))
-        })?;
-        record(Point::Scores, att.map(|a| a.scores));
-        record(Point::Context, att.map(|a| a.context));
+        products.linear(Point::Q, &qx, &mut q)?;
+        products.linear(Point::K, &qx, &mut k)?;
+        products.linear(Point::V, &qx, &mut v)?;
+        let ctx = products.attention(q, k, &v, start)?;
         let qc = QuantizedRows::quantize(&ctx, rows, cfg.q_width(), &name("attention context"))?;
         let mut o = Vec::new();
-        record(Point::O, l.o.forward_committed(gemm, &qc, &mut o, first)?);
+        products.linear(Point::O, &qc, &mut o)?;
         let mut x = x;
         for (a, b) in x.data.iter_mut().zip(&o) {
             *a += b;
         }
         // MLP.
-        let h2 = self.norm(&l.mlp_norm, &x.data);
+        let h2 = self.norm(glue.mlp_norm, &x.data);
         let qh = QuantizedRows::quantize(&h2, rows, cfg.hidden_size, &name("mlp input"))?;
         let mut y = Vec::new();
-        match &l.mlp {
-            Mlp::Gelu { fc, proj } => {
-                let mut a = Vec::new();
-                record(Point::Fc, fc.forward_committed(gemm, &qh, &mut a, first)?);
-                for v in a.iter_mut() {
-                    *v = gelu_tanh(*v);
-                }
-                let qa =
-                    QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
-                record(
-                    Point::Down,
-                    proj.forward_committed(gemm, &qa, &mut y, first)?,
-                );
+        let mut a = Vec::new();
+        if glue.gelu {
+            products.linear(Point::Fc, &qh, &mut a)?;
+            for v in a.iter_mut() {
+                *v = gelu_tanh(*v);
             }
-            Mlp::SwiGlu { gate, up, down } => {
-                let (mut g, mut u) = (Vec::new(), Vec::new());
-                record(
-                    Point::Gate,
-                    gate.forward_committed(gemm, &qh, &mut g, first)?,
-                );
-                record(Point::Up, up.forward_committed(gemm, &qh, &mut u, first)?);
-                for (a, b) in g.iter_mut().zip(&u) {
-                    *a = silu(*a) * b;
-                }
-                let qa =
-                    QuantizedRows::quantize(&g, rows, cfg.intermediate_size, &name("mlp hidden"))?;
-                record(
-                    Point::Down,
-                    down.forward_committed(gemm, &qa, &mut y, first)?,
-                );
+        } else {
+            let mut u = Vec::new();
+            products.linear(Point::Gate, &qh, &mut a)?;
+            products.linear(Point::Up, &qh, &mut u)?;
+            for (a, b) in a.iter_mut().zip(&u) {
+                *a = silu(*a) * b;
             }
         }
+        let qa = QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
+        products.linear(Point::Down, &qa, &mut y)?;
         for (a, b) in x.data.iter_mut().zip(&y) {
             *a += b;
         }
         Ok(x)
+    }
+
+    /// Layer `i`, if loaded.
+    pub(crate) fn layer(&self, i: usize) -> Option<&Layer> {
+        self.layers.get(&i)
     }
 
     /// Final norm and output projection: logits for every row, `rows × vocab`.

@@ -11,7 +11,8 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use dc_kernels::{Gemm, PackedWeights, QuantizedRows, WeightLayout};
+use dc_kernels::{Accumulators, Gemm, PackedWeights, QuantizedRows, WeightLayout};
+use dc_types::Point;
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -44,26 +45,46 @@ impl Linear {
         out: &mut Vec<f32>,
         commit: Option<(usize, usize)>,
     ) -> Result<Option<dc_kernels::Commitment>> {
+        self.forward_kept(gemm, x, out, commit, false)
+            .map(|(c, _)| c)
+    }
+
+    /// [`Linear::forward_committed`], also handing back the exact accumulators when `keep` (a
+    /// stage keeps them to reveal rows of the product later).
+    pub fn forward_kept(
+        &self,
+        gemm: &Gemm,
+        x: &QuantizedRows,
+        out: &mut Vec<f32>,
+        commit: Option<(usize, usize)>,
+        keep: bool,
+    ) -> Result<(Option<dc_kernels::Commitment>, Option<Accumulators>)> {
         out.clear();
         out.resize(x.rows() * self.w.n(), 0.0);
-        let commitment = match commit {
+        let kept = match commit {
             Some((first, from)) => {
                 let acc = gemm.matmul_exact(x, &self.w, out)?;
-                Some(gemm.commit_from(&acc, first, from))
+                let c = gemm.commit_from(&acc, first, from);
+                (Some(c), keep.then_some(acc))
             }
             None => {
                 gemm.matmul(x, &self.w, out)?;
-                None
+                (None, None)
             }
         };
-        if let Some(b) = &self.bias {
-            for row in out.chunks_exact_mut(b.len()) {
-                for (o, &bb) in row.iter_mut().zip(b) {
-                    *o += bb;
-                }
+        add_bias(self.bias.as_deref(), out);
+        Ok(kept)
+    }
+}
+
+/// Adds `bias` (if any) to every row of `out`, in f32 after the product's single rounding.
+pub fn add_bias(bias: Option<&[f32]>, out: &mut [f32]) {
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(b.len()) {
+            for (o, &bb) in row.iter_mut().zip(b) {
+                *o += bb;
             }
         }
-        Ok(commitment)
     }
 }
 
@@ -114,6 +135,47 @@ pub struct Layer {
     pub mlp_norm: Norm,
     /// The MLP.
     pub mlp: Mlp,
+}
+
+impl Layer {
+    /// The weight product committed at `point`, if the layer has one there.
+    pub fn linear(&self, point: Point) -> Option<&Linear> {
+        match (point, &self.mlp) {
+            (Point::Q, _) => Some(&self.q),
+            (Point::K, _) => Some(&self.k),
+            (Point::V, _) => Some(&self.v),
+            (Point::O, _) => Some(&self.o),
+            (Point::Fc, Mlp::Gelu { fc, .. }) => Some(fc),
+            (Point::Down, Mlp::Gelu { proj, .. }) => Some(proj),
+            (Point::Gate, Mlp::SwiGlu { gate, .. }) => Some(gate),
+            (Point::Up, Mlp::SwiGlu { up, .. }) => Some(up),
+            (Point::Down, Mlp::SwiGlu { down, .. }) => Some(down),
+            _ => None,
+        }
+    }
+
+    /// The weight products in computation order.
+    pub fn linear_points(&self) -> &'static [Point] {
+        match self.mlp {
+            Mlp::Gelu { .. } => &[
+                Point::Q,
+                Point::K,
+                Point::V,
+                Point::O,
+                Point::Fc,
+                Point::Down,
+            ],
+            Mlp::SwiGlu { .. } => &[
+                Point::Q,
+                Point::K,
+                Point::V,
+                Point::O,
+                Point::Gate,
+                Point::Up,
+                Point::Down,
+            ],
+        }
+    }
 }
 
 /// The head weights: what the generation's head needs to embed and read out.

@@ -13,8 +13,8 @@ use std::time::Instant;
 use dc_kernels::{Commitment, Domain};
 use dc_model::{Activations, LoadOptions, Model};
 use dc_types::{
-    AuditRequest, FraudProof, Gossip, HopRecord, HopTrace, LayerRange, RouteHop, Signed,
-    StageRequest, StageResponse,
+    AuditRequest, FraudProof, GenerationId, Gossip, HopRecord, HopTrace, LayerRange, RouteHop,
+    Signed, StageRequest, StageResponse,
 };
 use serde_json::{json, Value};
 use tracing::{info, warn};
@@ -45,6 +45,8 @@ pub struct AuditBook {
     order: VecDeque<Commitment>,
     /// Audits the head wanted but could find no auditor for.
     pub unavailable: u64,
+    /// Spot checks run by this head.
+    pub spot: crate::spot::SpotTally,
 }
 
 impl AuditBook {
@@ -101,7 +103,10 @@ impl AuditBook {
                 json!({"run": t.run, "passed": t.passed, "failed": t.failed}),
             );
         }
-        let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "per_peer": per});
+        let s = &self.spot;
+        let spot = json!({"run": s.run, "passed": s.passed, "failed": s.failed,
+            "unavailable": s.unavailable, "layers": s.layers, "bytes": s.bytes});
+        let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "per_peer": per, "spot_checks": spot});
         let excluded: Vec<Value> = self
             .excluded
             .iter()
@@ -158,54 +163,137 @@ pub struct StageLog {
     pub traces: Vec<HopTrace>,
 }
 
-/// Runs one audit of the last hop in `log` (served by `accused` for `seg.layers`); on
-/// disagreement, referees and, if proven, excludes. Returns whether the accused was proven to
-/// lie.
-pub async fn audit(node: Arc<Node>, seg: RouteHop, log: StageLog) -> bool {
+/// A head's audits of one stage in one attempt: which peer audits it and how many positions
+/// that auditor's replay cache already holds, so each input is sent and replayed once.
+#[derive(Debug)]
+pub struct AuditSession {
+    /// The auditor's cache id (derived from the head's secret: no one else can address it).
+    pub id: GenerationId,
+    /// The auditor, once chosen.
+    pub auditor: Option<String>,
+    /// Positions its cache holds.
+    pub held: usize,
+}
+
+impl AuditSession {
+    /// A session for route stage `seg` of generation `g`.
+    pub fn new(node: &Node, g: &GenerationId, seg: usize) -> AuditSession {
+        let mut h = blake3::Hasher::new_keyed(&node.audit_secret);
+        h.update(b"audit session");
+        h.update(&g.0);
+        h.update(&(seg as u64).to_le_bytes());
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&h.finalize().as_bytes()[..16]);
+        AuditSession {
+            id: GenerationId(id),
+            auditor: None,
+            held: 0,
+        }
+    }
+
+    /// Frees the auditor's cache.
+    pub fn end(&self, node: &Arc<Node>) {
+        match self.auditor.as_deref() {
+            Some(a) if a == node.local => {
+                node.caches
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .end(&self.id);
+            }
+            Some(a) => {
+                if let Ok(peer) = a.parse() {
+                    let (client, generation) = (node.client.clone(), self.id);
+                    tokio::spawn(async move {
+                        let _ = client
+                            .stage_request(peer, StageRequest::End { generation })
+                            .await;
+                    });
+                }
+            }
+            None => {}
+        }
+    }
+}
+
+/// Runs one audit of the last hop in `log` (served by `accused` for `seg.layers`) in `session`;
+/// on disagreement, referees and, if proven, excludes. Returns whether the accused was proven
+/// to lie.
+pub async fn audit(
+    node: Arc<Node>,
+    seg: RouteHop,
+    log: StageLog,
+    session: Arc<tokio::sync::Mutex<AuditSession>>,
+) -> bool {
     let Some(last) = log.inputs.last() else {
         return false;
     };
-    let salt = [
-        last.start.to_le_bytes(),
-        (seg.layers.start as usize).to_le_bytes(),
-    ]
-    .concat();
-    let Some(auditor) = pick_auditor(&node, seg.layers, &seg.peer, &salt) else {
-        node.audits
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .unavailable += 1;
-        return false;
-    };
-    let req = AuditRequest {
-        model_id: node.model_id,
-        layers: seg.layers,
-        from: last.start as u32,
-        hops: log.inputs.iter().map(crate::verify::wire).collect(),
-    };
-    let theirs = if auditor == node.local {
-        crate::stage::serve_audit(node.clone(), req).await
-    } else {
-        let Ok(peer) = auditor.parse() else {
-            return false;
-        };
-        match node
-            .client
-            .stage_request(peer, StageRequest::Audit(req))
-            .await
-        {
-            Ok(StageResponse::Audit(r)) => r,
-            Ok(_) => Err("unexpected answer".into()),
-            Err(e) => Err(e.to_string()),
+    // One audit of a stage at a time: they share the auditor's cache.
+    let mut session = session.lock().await;
+    let keep = session.auditor.clone().filter(|a| {
+        node.participants()
+            .iter()
+            .any(|p| &p.peer == a && p.peer != seg.peer && p.layers.covers(&seg.layers))
+    });
+    let auditor = match keep {
+        Some(a) => a,
+        None => {
+            session.end(&node);
+            session.held = 0;
+            session.auditor = pick_auditor(&node, seg.layers, &seg.peer, &session.id.0);
+            match session.auditor.clone() {
+                Some(a) => a,
+                None => {
+                    node.audits
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .unavailable += 1;
+                    return false;
+                }
+            }
         }
     };
+    let mut theirs = Err(String::new());
+    // Continue the auditor's cache; if it lost it, start over once from position 0.
+    for held in [session.held, 0] {
+        let skip = log.inputs.iter().take_while(|x| x.start < held).count();
+        let req = AuditRequest {
+            model_id: node.model_id,
+            layers: seg.layers,
+            from: last.start as u32,
+            session: session.id,
+            hops: log.inputs[skip..].iter().map(crate::verify::wire).collect(),
+        };
+        theirs = if auditor == node.local {
+            crate::stage::serve_audit(node.clone(), req).await
+        } else {
+            let Ok(peer) = auditor.parse() else {
+                return false;
+            };
+            match node
+                .client
+                .stage_request(peer, StageRequest::Audit(req))
+                .await
+            {
+                Ok(StageResponse::Audit(r)) => r,
+                Ok(_) => Err("unexpected answer".into()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        if theirs.is_ok() || held == 0 {
+            break;
+        }
+    }
     let trace = match theirs {
-        Ok(t) => t,
+        Ok(t) => {
+            session.held = last.start + last.rows();
+            t
+        }
         Err(e) => {
             warn!(
                 "audit by {auditor} of {} (layers {}) could not run: {e}",
                 seg.peer, seg.layers
             );
+            session.held = 0;
             node.audits
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -213,6 +301,7 @@ pub async fn audit(node: Arc<Node>, seg: RouteHop, log: StageLog) -> bool {
             return false;
         }
     };
+    drop(session);
     let agreed = log.traces.last() == Some(&trace);
     node.audits
         .lock()

@@ -72,6 +72,9 @@ pub struct NodeConfig {
     pub idle_threshold: f32,
     /// Probability that a head audits one remote hop (generations may ask for more).
     pub audit_rate: f32,
+    /// Probability that a head spot-checks one layer of a remote hop (Freivalds on revealed
+    /// rows).
+    pub spot_check_rate: f32,
 }
 
 impl NodeConfig {
@@ -108,6 +111,7 @@ impl NodeConfig {
             idle_only: false,
             idle_threshold: 0.5,
             audit_rate: 0.1,
+            spot_check_rate: 0.1,
         }
     }
 }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use dc_kernels::{Commitment, Domain};
-use dc_model::{Activations, KvCache, Model};
+use dc_model::{Activations, KeptHop, KvCache, Model};
 use dc_types::{GenerationId, HopTrace, Point};
 
 use crate::node::Node;
@@ -105,7 +105,9 @@ fn set_output(trace: &mut HopTrace, y: &Activations) {
     }
 }
 
-/// Runs a hop, lying as configured on the configured fraction of hops.
+/// Runs a hop, lying as configured on the configured fraction of hops. What it keeps for
+/// reveals is what it honestly computed (a liar's reveals then disagree with its commitments
+/// or with the checker's recomputation).
 pub fn run(
     node: &Node,
     model: &Model,
@@ -114,24 +116,26 @@ pub fn run(
     trace: &mut HopTrace,
     g: GenerationId,
     step: u64,
-) -> dc_model::Result<Activations> {
+) -> dc_model::Result<(Activations, KeptHop)> {
     let gemm = &node.gemm;
     let Some(f) = configured() else {
-        return model.run_layers_traced(gemm, x, cache, Some(trace));
+        return model.run_layers_kept(gemm, x, cache, trace);
     };
     if coin(&g, step, 1) >= f.fraction as f64 {
-        let y = model.run_layers_traced(gemm, x, cache, Some(trace))?;
+        let (y, kept) = model.run_layers_kept(gemm, x, cache, trace)?;
         last_outputs()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(g, y.clone());
-        return Ok(y);
+        return Ok((y, kept));
     }
+    let kept;
     let layers = cache.layers();
     let y =
         match f.kind {
             FaultKind::FlipBit => {
-                let mut y = model.run_layers_traced(gemm, x, cache, Some(trace))?;
+                let (mut y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
+                kept = k;
                 let i = (coin(&g, step, 2) * y.data.len() as f64) as usize % y.data.len().max(1);
                 y.data[i] = f32::from_bits(y.data[i].to_bits() ^ (1 << 12));
                 set_output(trace, &y);
@@ -142,7 +146,7 @@ pub fn run(
                     Some(mut c) => model.run_layers(gemm, x.clone(), &mut c)?,
                     None => x.clone(),
                 };
-                model.run_layers_traced(gemm, x, cache, Some(trace))?;
+                kept = model.run_layers_kept(gemm, x, cache, trace)?.1;
                 // Made-up commitments for the layer it did not run.
                 let last = (layers.end - 1) as u32;
                 for e in trace.entries.iter_mut().filter(|e| {
@@ -159,14 +163,16 @@ pub fn run(
                 for v in x2.data.iter_mut().step_by(7) {
                     *v *= 1.01;
                 }
-                let y = model.run_layers_traced(gemm, x2, cache, Some(trace))?;
+                let (y, k) = model.run_layers_kept(gemm, x2, cache, trace)?;
+                kept = k;
                 if let Some(e) = trace.entries.iter_mut().find(|e| e.point == Point::Input) {
                     e.commitment = honest_input;
                 }
                 y
             }
             FaultKind::Stale => {
-                let honest = model.run_layers_traced(gemm, x, cache, Some(trace))?;
+                let (honest, k) = model.run_layers_kept(gemm, x, cache, trace)?;
+                kept = k;
                 let prev = last_outputs()
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -190,5 +196,5 @@ pub fn run(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert(g, y.clone());
-    Ok(y)
+    Ok((y, kept))
 }

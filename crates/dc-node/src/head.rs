@@ -18,8 +18,11 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::audit::{accept_proof, audit, pick_auditor, referee, should_audit, StageLog};
+use crate::audit::{
+    accept_proof, audit, pick_auditor, referee, should_audit, AuditSession, StageLog,
+};
 use crate::node::Node;
+use crate::spot;
 use crate::stage::{from_wire, serve_hop, to_wire};
 use crate::verify::{check_consistency, swiglu};
 use crate::view::plan_route;
@@ -193,7 +196,10 @@ struct Attempt {
     logs: Vec<StageLog>,
     shadow_logs: Vec<StageLog>,
     audits: Vec<JoinHandle<bool>>,
+    /// Per route stage: its auditor and what that auditor's replay cache holds.
+    sessions: Vec<Arc<tokio::sync::Mutex<AuditSession>>>,
     rate: f32,
+    spot_rate: f32,
 }
 
 impl Attempt {
@@ -244,7 +250,27 @@ impl Attempt {
             self.logs[i].traces.push(r.trace);
             if remote && should_audit(node, &self.g, step, i, self.rate) {
                 let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
-                self.audits.push(tokio::spawn(audit(node2, seg, log)));
+                let session = self.sessions[i].clone();
+                self.audits
+                    .push(tokio::spawn(audit(node2, seg, log, session)));
+            }
+            let picks = match remote {
+                true => spot::picks(
+                    &node.audit_secret,
+                    &self.g,
+                    step,
+                    h.layers,
+                    x.start,
+                    x.rows(),
+                    self.spot_rate,
+                ),
+                false => Vec::new(),
+            };
+            if !picks.is_empty() {
+                let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
+                let session = self.sessions[i].clone();
+                let check = spot::spot_check(node2, seg, log, self.g, step, picks, session);
+                self.audits.push(tokio::spawn(check));
             }
             x = r.output;
         }
@@ -255,8 +281,12 @@ impl Attempt {
         Ok(x)
     }
 
-    /// Tells every stage the attempt is over (caches freed; they also expire when idle).
-    fn end(&self, node: &Arc<Node>) {
+    /// Tells every stage and auditor the attempt is over (caches freed; they also expire when
+    /// idle).
+    async fn end(&self, node: &Arc<Node>) {
+        for s in &self.sessions {
+            s.lock().await.end(node);
+        }
         let mut peers: Vec<(String, GenerationId)> = self
             .route
             .iter()
@@ -402,10 +432,11 @@ async fn drive(
                 route: route.clone(),
             })
             .await;
-        let rate = match req.verify {
-            VerifyMode::Sampled(r) => r.clamp(0.0, 1.0),
-            VerifyMode::All => 0.0,
+        let (rate, spot_rate) = match req.verify {
+            VerifyMode::Sampled(r) => (r.clamp(0.0, 1.0), node.cfg.spot_check_rate),
+            VerifyMode::All => (0.0, 0.0),
         };
+        let route_len = route.len();
         let mut at = Attempt {
             g,
             logs: vec![StageLog::default(); route.len()],
@@ -413,13 +444,17 @@ async fn drive(
             route,
             shadows,
             audits: Vec::new(),
+            sessions: (0..route_len)
+                .map(|i| Arc::new(tokio::sync::Mutex::new(AuditSession::new(node, &g, i))))
+                .collect(),
             rate,
+            spot_rate,
         };
         let outcome = attempt(node, req, &mut at, tx, &mut delivered).await;
         // Wait for this attempt's audits: a lie they prove still changes what the client gets.
         let pending = std::mem::take(&mut at.audits);
         let proven = tokio::time::timeout(AUDIT_WAIT, futures::future::join_all(pending)).await;
-        at.end(node);
+        at.end(node).await;
         let liar = match (&outcome, proven) {
             (Err(Stop::Liar(l)), _) => Some(l.clone()),
             (_, Ok(results)) if results.iter().any(|r| matches!(r, Ok(true))) => at

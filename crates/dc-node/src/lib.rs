@@ -16,6 +16,7 @@ pub mod memory;
 pub mod metrics;
 pub mod node;
 pub mod openai;
+pub mod spot;
 pub mod stage;
 pub mod status;
 pub mod verify;

@@ -2,7 +2,7 @@
 //! the tasks that run while it serves (network events, announcements, shard re-checks, cache
 //! expiry, generation streams, the control API) and the graceful exit on SIGINT/SIGTERM.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -114,6 +114,8 @@ pub struct Node {
     pub referee_gate: tokio::sync::Mutex<()>,
     /// Secret of the head's audit coin (never leaves this process).
     pub audit_secret: [u8; 32],
+    /// Spot-check keys (`W · r`, biases, norms) of the layers this head has checked.
+    pub checkers: tokio::sync::Mutex<HashMap<usize, Arc<dc_model::LayerChecker>>>,
     fetching: Mutex<HashSet<dc_kernels::Commitment>>,
 }
 
@@ -493,6 +495,7 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         referee: tokio::sync::Mutex::new(None),
         referee_gate: tokio::sync::Mutex::new(()),
         audit_secret: crate::audit::new_secret(local.to_bytes().as_slice()),
+        checkers: tokio::sync::Mutex::new(HashMap::new()),
         fetching: Mutex::new(HashSet::new()),
         cfg,
     });
@@ -680,6 +683,9 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
                     }
                     StageRequest::Audit(a) => {
                         StageResponse::Audit(crate::stage::serve_audit(node.clone(), a).await)
+                    }
+                    StageRequest::Reveal(r) => {
+                        StageResponse::Reveal(crate::stage::serve_reveal(node.clone(), r).await)
                     }
                     StageRequest::GetProof { id } => StageResponse::Proof(Box::new(
                         node.audits

@@ -5,16 +5,26 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dc_model::{Activations, KvCache};
+use std::collections::VecDeque;
+
+use dc_model::{Activations, KeptHop, KvCache};
 use dc_types::{
     AuditRequest, GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, HopTrace,
-    LayerRange, PeerState, WireActivations,
+    LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations, MAX_REVEAL_PICKS,
 };
 
 use crate::node::Node;
 
 /// Most positions one hop may carry (bounds the compute one request can demand).
 pub const MAX_HOP_ROWS: usize = 2048;
+
+/// Hops kept per generation for reveals (a head asks right after a hop, so the last two
+/// suffice even when the next hop has already arrived).
+const KEPT_HOPS: usize = 2;
+
+/// Bytes of kept hops this daemon holds at most, over all generations; a hop that does not fit
+/// is not kept (a reveal of it is refused, which a head only holds against a one-row hop).
+pub const KEPT_BYTES: usize = 256 << 20;
 
 /// One generation's cache in this daemon.
 #[derive(Debug)]
@@ -23,6 +33,8 @@ struct Entry {
     cache: Option<KvCache>,
     layers: LayerRange,
     last_used: Instant,
+    /// The last hops, by step, kept to reveal rows of them.
+    kept: VecDeque<(u64, Arc<KeptHop>)>,
 }
 
 /// The KV caches this daemon holds, one per generation, bounded in number and dropped when
@@ -94,6 +106,7 @@ impl StageCaches {
                     cache: None,
                     layers,
                     last_used: Instant::now(),
+                    kept: VecDeque::new(),
                 },
             );
             return Ok(KvCache::new(cfg, layers.as_range()));
@@ -121,6 +134,35 @@ impl StageCaches {
             ));
         }
         Ok(cache)
+    }
+
+    /// Keeps hop `step` of `g` for reveals, dropping its older hops beyond [`KEPT_HOPS`]; not
+    /// kept when it would take the daemon past [`KEPT_BYTES`].
+    fn keep(&mut self, g: &GenerationId, step: u64, hop: KeptHop) {
+        if let Some(e) = self.entries.get_mut(g) {
+            while e.kept.len() >= KEPT_HOPS {
+                e.kept.pop_front();
+            }
+        }
+        let held: usize = self
+            .entries
+            .values()
+            .flat_map(|e| e.kept.iter().map(|(_, k)| k.bytes()))
+            .sum();
+        if let Some(e) = self.entries.get_mut(g) {
+            if held + hop.bytes() <= KEPT_BYTES {
+                e.kept.push_back((step, Arc::new(hop)));
+            }
+        }
+    }
+
+    /// A kept hop.
+    fn kept(&self, g: &GenerationId, step: u64) -> Option<Arc<KeptHop>> {
+        let e = self.entries.get(g)?;
+        e.kept
+            .iter()
+            .find(|(s, _)| *s == step)
+            .map(|(_, k)| k.clone())
     }
 
     /// Returns a cache after a hop (successful or not: a failed hop leaves it unchanged only if
@@ -268,9 +310,9 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
         #[cfg(not(feature = "fault-injection"))]
         let out = s2
             .model
-            .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut trace));
+            .run_layers_kept(&n2.gemm, x, &mut cache, &mut trace);
         let _ = (generation, step);
-        (out.map(|y| (y, trace)), cache)
+        (out.map(|(y, kept)| (y, kept, trace)), cache)
     })
     .await;
     let (out, cache) = match result {
@@ -284,11 +326,12 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
         }
     };
     match out {
-        Ok((y, trace)) => {
-            node.caches
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .put(req.generation, Some(cache));
+        Ok((y, kept, trace)) => {
+            {
+                let mut caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
+                caches.put(req.generation, Some(cache));
+                caches.keep(&req.generation, req.step, kept);
+            }
             node.stats
                 .hops
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -322,8 +365,38 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
     }
 }
 
-/// Audits another stage's hop: replays every input of the generation through `layers` with
-/// fresh caches, in the same hops, and returns the trace of the audited (last) hop.
+/// Reveals rows of a hop this daemon served (a head's spot check): the hop must still be kept.
+pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<LayerReveal>, String> {
+    if req.picks.is_empty() || req.picks.len() > MAX_REVEAL_PICKS {
+        return Err(format!(
+            "{} picks: expected 1 to {MAX_REVEAL_PICKS}",
+            req.picks.len()
+        ));
+    }
+    let kept = node
+        .caches
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .kept(&req.generation, req.step)
+        .ok_or_else(|| {
+            format!(
+                "step {} of generation {} is not kept here",
+                req.step, req.generation
+            )
+        })?;
+    tokio::task::spawn_blocking(move || {
+        req.picks
+            .iter()
+            .map(|p| kept.reveal(p.layer as usize, p.position as usize))
+            .collect()
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Audits another stage's hop: replays the inputs into the cache kept for the audit's session
+/// (fresh when they start at position 0, else continuing it), in the same hops, and returns the
+/// trace of the audited (last) hop. The cache stays for the head's next audit of that stage.
 pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace, String> {
     if req.model_id != node.model_id {
         return Err(format!(
@@ -339,8 +412,9 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         ));
     }
     let cfg = node.model_cfg.clone();
+    let first = req.hops.first().map_or(0, |h| h.start as usize);
     let mut hops = Vec::with_capacity(req.hops.len());
-    let mut next = 0usize;
+    let mut next = first;
     for (k, w) in req.hops.into_iter().enumerate() {
         let x = from_wire(w, cfg.hidden_size, cfg.max_positions)
             .map_err(|e| format!("hop {k}: {e}"))?;
@@ -354,6 +428,14 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         Some(l) if l.start == req.from as usize => {}
         _ => return Err("the audited hop must be the last".into()),
     }
+    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
+        req.session,
+        req.layers,
+        first,
+        &cfg,
+        node.cfg.max_generations,
+    );
+    let mut cache = taken.map_err(|(_, why)| format!("audit session: {why}"))?;
     let _permit = node
         .compute
         .clone()
@@ -361,27 +443,31 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         .await
         .map_err(|_| "shutting down")?;
     let n2 = node.clone();
-    let layers = req.layers;
-    tokio::task::spawn_blocking(move || {
-        let mut cache = KvCache::new(&cfg, layers.as_range());
+    let ran = tokio::task::spawn_blocking(move || {
         let last = hops.len() - 1;
+        let mut trace = None;
         for (k, x) in hops.into_iter().enumerate() {
-            if k < last {
-                serving
-                    .model
-                    .run_layers(&n2.gemm, x, &mut cache)
-                    .map_err(|e| e.to_string())?;
+            let done = if k < last {
+                serving.model.run_layers(&n2.gemm, x, &mut cache)
             } else {
                 let mut t = HopTrace::from_position(x.start);
-                serving
+                let y = serving
                     .model
-                    .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut t))
-                    .map_err(|e| e.to_string())?;
-                return Ok(t);
+                    .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut t));
+                trace = Some(t);
+                y
+            };
+            if let Err(e) = done {
+                return (Err(e.to_string()), None);
             }
         }
-        Err("no hops".into())
+        (trace.ok_or_else(|| "no hops".to_string()), Some(cache))
     })
-    .await
-    .map_err(|e| e.to_string())?
+    .await;
+    let (trace, cache) = ran.unwrap_or_else(|e| (Err(e.to_string()), None));
+    node.caches
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .put(req.session, cache);
+    trace
 }

@@ -174,9 +174,70 @@ pub enum StageRequest {
         /// The proof's id.
         id: Commitment,
     },
+    /// Reveal rows of a hop this stage just served, for a spot check of its products.
+    Reveal(RevealRequest),
 }
 
-/// An audit: every input the audited stage received for this generation, in its hops.
+/// Most (layer, position) picks one reveal request may ask for.
+pub const MAX_REVEAL_PICKS: usize = 256;
+
+/// A spot check's request: for each pick, the row at `position` of every product of `layer`
+/// in hop `step` of `generation`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RevealRequest {
+    /// The generation.
+    pub generation: GenerationId,
+    /// The hop's step (as in its signed record).
+    pub step: u64,
+    /// What to reveal.
+    pub picks: Vec<RevealPick>,
+}
+
+/// One (layer, position) to reveal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevealPick {
+    /// The layer.
+    pub layer: u32,
+    /// The absolute position (a row of the hop).
+    pub position: u32,
+}
+
+/// What a stage reveals of one layer at one position of a hop: the activations entering the
+/// layer and leaving it (every row of the hop, as committed), and the row of each product at
+/// that position with its Merkle path.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerReveal {
+    /// The layer.
+    pub layer: u32,
+    /// The position.
+    pub position: u32,
+    /// The activations entering the layer (the hop's committed rows).
+    pub input: WireActivations,
+    /// The activations leaving it (the next layer's input, or the hop's output).
+    pub next: WireActivations,
+    /// One row per product of the layer, in computation order.
+    pub rows: Vec<RevealedRow>,
+}
+
+/// One row of one committed product.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RevealedRow {
+    /// Which product.
+    pub point: crate::trace::Point,
+    /// Values in the row.
+    pub cols: u32,
+    /// The row's canonical encoding (NUMERICS.md §5).
+    pub encoding: Vec<u8>,
+    /// The Merkle root of the product's rows.
+    pub root: Commitment,
+    /// The row's Merkle path.
+    pub path: Vec<Commitment>,
+}
+
+/// An audit: the inputs the audited stage received for this generation, in its hops, ending
+/// with the audited hop. The auditor replays them into the cache it keeps for `session`: from
+/// scratch when the first hop starts at position 0, otherwise continuing the positions it
+/// already holds (a head auditing one stage several times sends each input once).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AuditRequest {
     /// The model.
@@ -185,7 +246,9 @@ pub struct AuditRequest {
     pub layers: LayerRange,
     /// The audited hop's first position.
     pub from: u32,
-    /// Each hop's input, in order (positions 0, 1, … contiguous), ending with the audited hop.
+    /// The auditor's cache for this (generation, stage): a secret of the head's choosing.
+    pub session: GenerationId,
+    /// Each hop's input, in order (contiguous positions), ending with the audited hop.
     pub hops: Vec<WireActivations>,
 }
 
@@ -200,6 +263,8 @@ pub enum StageResponse {
     Audit(Result<HopTrace, String>),
     /// The requested proof, if this peer has it.
     Proof(Box<Option<FraudProof>>),
+    /// The revealed rows, or why they cannot be.
+    Reveal(Result<Vec<LayerReveal>, String>),
 }
 
 /// What makes a fraud proof.

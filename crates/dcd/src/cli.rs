@@ -132,6 +132,11 @@ pub struct JoinArgs {
     /// generation (0 to 1; 1 audits every hop) [default: 0.1].
     #[arg(long)]
     pub audit_rate: Option<f64>,
+    /// Share of the layers of each remote hop to spot-check when this daemon heads a
+    /// generation: the stage reveals one row of each product, checked by Freivalds' test
+    /// (0 to 1) [default: 0.1].
+    #[arg(long)]
+    pub spot_check_rate: Option<f64>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
     /// all) by flip-bit, skip-layer, other-weights or stale.
     #[arg(long, value_name = "KIND[:FRACTION]", hide = !dc_node::FAULT_INJECTION)]
@@ -323,6 +328,10 @@ pub struct BenchModelArgs {
     /// Also measure with every product committed (what a stage does for a signed hop record).
     #[arg(long)]
     pub commit: bool,
+    /// Also measure spot checks on decode hops: what keeping a hop costs the stage, and per
+    /// checked layer the stage's reveal, the checker's work and the bytes on the wire.
+    #[arg(long)]
+    pub spot_check: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -74,6 +74,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "audit_rate",
         "share of hops this peer audits when it heads a generation (0 to 1)",
     ),
+    (
+        "spot_check_rate",
+        "share of layers of each remote hop this peer spot-checks when it heads (0 to 1)",
+    ),
 ];
 
 /// `DCD_*` variables that are not settings (so they are not reported as unknown).
@@ -171,6 +175,8 @@ pub struct Settings {
     pub selftest: bool,
     /// Share of hops audited by replay when this peer heads a generation.
     pub audit_rate: f64,
+    /// Share of layers of each remote hop spot-checked when this peer heads a generation.
+    pub spot_check_rate: f64,
 }
 
 impl Settings {
@@ -200,6 +206,7 @@ impl Settings {
             selftest: d.selftest,
             // Through the shortest decimal, so 0.1 shows as 0.1 rather than f32's widening.
             audit_rate: d.audit_rate.to_string().parse().unwrap_or(0.1),
+            spot_check_rate: d.spot_check_rate.to_string().parse().unwrap_or(0.1),
         }
     }
 
@@ -236,6 +243,7 @@ impl Settings {
             "max_message_bytes" => V::Integer(self.max_message_bytes as i64),
             "selftest" => V::Boolean(self.selftest),
             "audit_rate" => V::Float(self.audit_rate),
+            "spot_check_rate" => V::Float(self.spot_check_rate),
             _ => return None,
         })
     }
@@ -265,6 +273,7 @@ impl Settings {
         cfg.max_message_bytes = self.max_message_bytes;
         cfg.selftest = self.selftest;
         cfg.audit_rate = self.audit_rate as f32;
+        cfg.spot_check_rate = self.spot_check_rate as f32;
         Ok(cfg)
     }
 
@@ -323,6 +332,7 @@ impl Settings {
             "max_message_bytes" => self.max_message_bytes = size(v, 1 << 16, 1 << 30)? as usize,
             "selftest" => self.selftest = boolean(v)?,
             "audit_rate" => self.audit_rate = float(v, 0.0, 1.0)?,
+            "spot_check_rate" => self.spot_check_rate = float(v, 0.0, 1.0)?,
             _ => return Err("not a setting".into()),
         }
         Ok(())
@@ -407,6 +417,9 @@ pub fn flags(cli: &crate::cli::Cli) -> Flags {
     }
     if let Some(x) = a.audit_rate {
         f.set("audit_rate", "--audit-rate", x);
+    }
+    if let Some(x) = a.spot_check_rate {
+        f.set("spot_check_rate", "--spot-check-rate", x);
     }
     f
 }

@@ -210,6 +210,79 @@ fn committed_rates(
     Ok((median(&mut pre), median(&mut dec)))
 }
 
+/// What spot checks cost on decode hops over all layers (medians over the decoded tokens).
+struct SpotCosts {
+    /// Decode hops per second, committing (the baseline) and committing + keeping.
+    committed: f64,
+    kept: f64,
+    /// One layer's share of a committed decode hop, seconds.
+    layer: f64,
+    /// Per checked layer: the stage's reveal and the checker's check, seconds; wire bytes.
+    reveal: f64,
+    check: f64,
+    bytes: f64,
+    /// Building one layer's checker (once per head and layer), seconds.
+    build: f64,
+}
+
+fn spot_costs(
+    model: &dc_model::Model,
+    gemm: &Gemm,
+    prompt: &[u32],
+    decode: usize,
+) -> Result<SpotCosts> {
+    use dc_model::trace::HopTrace;
+    let n = model.config.num_layers;
+    let layers = 0..n;
+    let s = Instant::now();
+    let checkers = layers
+        .clone()
+        .map(|l| dc_model::LayerChecker::new(model, l, &[9; 32]))
+        .collect::<dc_model::Result<Vec<_>>>()?;
+    let build = s.elapsed().as_secs_f64() / n as f64;
+    let (mut committed, mut kept) = (Vec::new(), Vec::new());
+    let (mut reveal, mut check, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+    for keep in [false, true] {
+        let mut cache = dc_model::KvCache::new(&model.config, layers.clone());
+        let mut t = HopTrace::from_position(0);
+        model.run_layers_traced(gemm, model.embed(prompt, 0)?, &mut cache, Some(&mut t))?;
+        for i in 0..decode {
+            let pos = prompt.len() + i;
+            let x = model.embed(&[(pos % 100) as u32], pos)?;
+            let mut t = HopTrace::from_position(pos);
+            let s = Instant::now();
+            if !keep {
+                model.run_layers_traced(gemm, x, &mut cache, Some(&mut t))?;
+                committed.push(s.elapsed().as_secs_f64());
+                continue;
+            }
+            let (_, hop) = model.run_layers_kept(gemm, x, &mut cache, &mut t)?;
+            kept.push(s.elapsed().as_secs_f64());
+            let c = &checkers[i % n];
+            let s = Instant::now();
+            let r = hop
+                .reveal(c.layer(), pos)
+                .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+            reveal.push(s.elapsed().as_secs_f64());
+            bytes.push(dc_types::encode(&r, usize::MAX)?.len() as f64);
+            let s = Instant::now();
+            c.check(model, &t, 1, &r)
+                .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
+            check.push(s.elapsed().as_secs_f64());
+        }
+    }
+    let committed = median(&mut committed);
+    Ok(SpotCosts {
+        committed: 1.0 / committed,
+        kept: 1.0 / median(&mut kept),
+        layer: committed / n as f64,
+        reveal: median(&mut reveal),
+        check: median(&mut check),
+        bytes: median(&mut bytes),
+        build,
+    })
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -272,6 +345,26 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 100.0 * (dec / cd - 1.0)
             );
         }
+        let spot = if a.spot_check {
+            Some(spot_costs(&model, &gemm, &prompt, a.decode_tokens)?)
+        } else {
+            None
+        };
+        if let (Some(c), false) = (&spot, a.json || global.quiet) {
+            println!(
+                "{} threads {t} spot checks: keeping decode hops {:.1} % slower than committing; \
+                 per checked layer: reveal {:.0} µs + check {:.0} µs = {:.2} % of the layer's \
+                 committed decode compute, {:.0} bytes on the wire; checker built in {:.0} ms \
+                 per layer (once)",
+                kernel.name(),
+                100.0 * (c.committed / c.kept - 1.0),
+                c.reveal * 1e6,
+                c.check * 1e6,
+                100.0 * (c.reveal + c.check) / c.layer,
+                c.bytes,
+                c.build * 1e3
+            );
+        }
         if !a.json && !global.quiet {
             println!(
                 "{} threads {t}: prefill {pre:.1} tokens/s ({} tokens), decode {dec:.1} tokens/s ({:.1} ms/token)",
@@ -285,6 +378,11 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
             "committed_prefill_tokens_per_s": committed.map(|c| c.0),
             "committed_decode_tokens_per_s": committed.map(|c| c.1),
+            "spot_check": spot.as_ref().map(|c| json!({
+                "committed_decode_hops_per_s": c.committed, "kept_decode_hops_per_s": c.kept,
+                "layer_decode_s": c.layer, "reveal_s": c.reveal, "check_s": c.check,
+                "bytes_per_layer": c.bytes, "checker_build_s": c.build,
+            })),
             "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
         }));
     }

@@ -1,0 +1,230 @@
+//! Revealing one row of a committed product: the row's canonical encoding travels as bytes, is
+//! tied to the product's commitment by its Merkle path, and is decoded back into exact values
+//! for a check (Freivalds, or recomputing what depends on it).
+//!
+//! Everything a revealed row carries comes from a peer that may lie, so decoding refuses
+//! malformed bytes with a reason and bounds what it allocates.
+
+use crate::commit::{encode_exact, encode_row, gemm_commitment, verify_merkle, Commitment, Domain};
+use crate::exact::Exact;
+use crate::gemm::Accumulators;
+
+/// Most limbs a wide value may have on the wire (a real accumulator needs at most a handful).
+pub const MAX_WIDE_LIMBS: usize = 64;
+
+/// The canonical encoding of row `row` of `acc` (what its Merkle leaf hashes).
+pub fn row_encoding(acc: &Accumulators, row: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(acc.cols * 12);
+    encode_row(acc, row, &mut out);
+    out
+}
+
+/// The canonical encoding of a row of exact values.
+pub fn values_encoding(values: &[Exact]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * 12);
+    for v in values {
+        encode_exact(v, &mut out);
+    }
+    out
+}
+
+/// The Merkle leaf of a row at absolute `position` with `cols` values encoded as `encoding`
+/// (the same leaf [`crate::commit::row_leaf_at`] and [`crate::commit::exact_row_leaf`] make).
+pub fn leaf_of_encoding(position: usize, cols: usize, encoding: &[u8]) -> Commitment {
+    let mut h = Domain::GemmRow.hasher();
+    h.update(&(position as u64).to_le_bytes());
+    h.update(&(cols as u64).to_le_bytes());
+    h.update(encoding);
+    Commitment(*h.finalize().as_bytes())
+}
+
+/// Decodes a row of `cols` canonical encodings. Refuses short, long or malformed input.
+pub fn decode_row(bytes: &[u8], cols: usize) -> Result<Vec<Exact>, String> {
+    let mut out = Vec::with_capacity(cols.min(bytes.len() / 12));
+    let mut rest = bytes;
+    for c in 0..cols {
+        let (mant, exp) = match (take::<8>(&mut rest), take::<4>(&mut rest)) {
+            (Some(m), Some(e)) => (i64::from_le_bytes(m), i32::from_le_bytes(e)),
+            _ => return Err("the row's encoding ends early".into()),
+        };
+        if exp != i32::MIN {
+            out.push(Exact::Small { mant, exp });
+            continue;
+        }
+        if mant != 0 {
+            return Err(format!("value {c}: a wide marker with a mantissa"));
+        }
+        let (Some(exp), Some([sign]), Some(limbs)) = (
+            take::<4>(&mut rest),
+            take::<1>(&mut rest),
+            take::<4>(&mut rest),
+        ) else {
+            return Err("the row's encoding ends early".into());
+        };
+        let neg = match sign {
+            0 => false,
+            1 => true,
+            s => return Err(format!("value {c}: sign byte {s}")),
+        };
+        let limbs = u32::from_le_bytes(limbs) as usize;
+        if limbs == 0 || limbs > MAX_WIDE_LIMBS {
+            return Err(format!("value {c}: {limbs} limbs"));
+        }
+        let mag = (0..limbs)
+            .map(|_| take::<8>(&mut rest).map(u64::from_le_bytes))
+            .collect::<Option<Vec<u64>>>()
+            .ok_or("the row's encoding ends early")?;
+        out.push(Exact::Wide {
+            neg,
+            mag,
+            exp: i32::from_le_bytes(exp),
+        });
+    }
+    if !rest.is_empty() {
+        return Err(format!(
+            "{} bytes after the row's {cols} values",
+            rest.len()
+        ));
+    }
+    Ok(out)
+}
+
+/// The next `N` bytes of `rest`, if there are that many.
+fn take<const N: usize>(rest: &mut &[u8]) -> Option<[u8; N]> {
+    let (a, b) = rest.split_first_chunk::<N>()?;
+    *rest = b;
+    Some(*a)
+}
+
+/// One revealed row of a product committed over `rows` positions starting at `first`.
+#[derive(Clone, Copy, Debug)]
+pub struct Opening<'a> {
+    /// The product's commitment (from the signed trace).
+    pub commitment: &'a Commitment,
+    /// Positions the commitment covers.
+    pub rows: usize,
+    /// The first of them.
+    pub first: usize,
+    /// The revealed row's absolute position.
+    pub position: usize,
+    /// Values per row.
+    pub cols: usize,
+    /// The row's canonical encoding.
+    pub encoding: &'a [u8],
+    /// The Merkle root of the product's rows (claimed; bound by the commitment).
+    pub root: &'a Commitment,
+    /// The row's Merkle path to that root.
+    pub path: &'a [Commitment],
+}
+
+impl Opening<'_> {
+    /// Whether this is row `position` of the committed product: the root with the shape makes
+    /// the commitment, and the row's leaf with its path makes the root.
+    pub fn holds(&self) -> bool {
+        let Some(index) = self.position.checked_sub(self.first) else {
+            return false;
+        };
+        index < self.rows
+            && gemm_commitment(self.rows, self.cols, self.root) == *self.commitment
+            && verify_merkle(
+                self.root,
+                &leaf_of_encoding(self.position, self.cols, self.encoding),
+                index,
+                self.rows,
+                self.path,
+            )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::commit::{exact_row_leaf, merkle_proof, merkle_root};
+
+    fn values() -> Vec<Exact> {
+        vec![
+            Exact::from_i64(-5, -9),
+            Exact::ZERO,
+            Exact::from_i128(-(3i128 << 70) - 1, 4),
+            Exact::from_i64(7, 100),
+        ]
+    }
+
+    #[test]
+    fn encodings_decode_back_to_the_same_values() {
+        let v = values();
+        let bytes = values_encoding(&v);
+        assert_eq!(decode_row(&bytes, v.len()), Ok(v.clone()));
+        assert_eq!(leaf_of_encoding(9, v.len(), &bytes), exact_row_leaf(9, &v));
+    }
+
+    #[test]
+    fn malformed_encodings_are_refused() {
+        let v = values();
+        let bytes = values_encoding(&v);
+        assert!(decode_row(&bytes[..bytes.len() - 1], v.len()).is_err());
+        assert!(decode_row(&bytes, v.len() - 1).is_err(), "trailing bytes");
+        assert!(decode_row(&bytes, v.len() + 1).is_err(), "missing value");
+        // The wide value (third) starts at byte 24: corrupt its sign byte and limb count.
+        let mut bad = bytes.clone();
+        bad[24 + 12 + 4] = 7;
+        assert!(decode_row(&bad, v.len()).is_err());
+        let mut bad = bytes.clone();
+        bad[24 + 12 + 5..24 + 12 + 9].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_row(&bad, v.len()).is_err());
+        let mut bad = bytes;
+        bad[24] = 1;
+        assert!(
+            decode_row(&bad, v.len()).is_err(),
+            "wide marker with a mantissa"
+        );
+    }
+
+    #[test]
+    fn only_the_committed_row_opens() {
+        let rows: Vec<Vec<Exact>> = (0..5)
+            .map(|r| (0..3).map(|c| Exact::from_i64(r * 10 + c, -2)).collect())
+            .collect();
+        let first = 40;
+        let leaves: Vec<Commitment> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| exact_row_leaf(first + i, r))
+            .collect();
+        let root = merkle_root(&leaves);
+        let commitment = gemm_commitment(5, 3, &root);
+        for (i, r) in rows.iter().enumerate() {
+            let enc = values_encoding(r);
+            let path = merkle_proof(&leaves, i);
+            let open = Opening {
+                commitment: &commitment,
+                rows: 5,
+                first,
+                position: first + i,
+                cols: 3,
+                encoding: &enc,
+                root: &root,
+                path: &path,
+            };
+            assert!(open.holds(), "row {i}");
+            assert!(!Opening {
+                position: first + (i + 1) % 5,
+                ..open
+            }
+            .holds());
+            assert!(!Opening { rows: 6, ..open }.holds());
+            let other = values_encoding(&rows[(i + 1) % 5]);
+            assert!(!Opening {
+                encoding: &other,
+                ..open
+            }
+            .holds());
+            let wrong_root = Domain::MerkleNode.hash(b"x");
+            assert!(!Opening {
+                root: &wrong_root,
+                ..open
+            }
+            .holds());
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! Spot checks (docs/VERIFICATION.md): after a remote hop, the head's private coin picks layers
+//! and one row each; the stage reveals those rows of every product with their Merkle paths, and
+//! the head checks each weight product by Freivalds' test and recomputes the layer's glue. Cheap
+//! for everyone: the stage sends what it kept, the head does O(k + n) work per product.
+//!
+//! A failed check is not a proof; it sends the hop to the referee, who proves or clears it.
+//! A stage that will not reveal a one-row hop (which an honest stage always keeps) gets a full
+//! replay audit instead.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use dc_kernels::Domain;
+use dc_model::{LayerChecker, LoadOptions, Model};
+use dc_types::{
+    GenerationId, LayerRange, RevealPick, RevealRequest, RouteHop, StageRequest, StageResponse,
+};
+use tracing::{info, warn};
+
+use crate::audit::{audit, referee, AuditSession, StageLog};
+use crate::node::Node;
+
+/// Spot-check counters of this head.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SpotTally {
+    /// Hops checked.
+    pub run: u64,
+    /// Checks that passed.
+    pub passed: u64,
+    /// Checks that failed (each sent to the referee).
+    pub failed: u64,
+    /// Reveals refused or lost.
+    pub unavailable: u64,
+    /// (layer, row) pairs checked.
+    pub layers: u64,
+    /// Bytes of revealed rows and activations received.
+    pub bytes: u64,
+}
+
+/// The head's private coin for one remote hop: for each layer of `layers`, with probability
+/// `rate`, a pick of that layer at one row of the hop's `rows` from `from`.
+pub fn picks(
+    secret: &[u8; 32],
+    g: &GenerationId,
+    step: u64,
+    layers: LayerRange,
+    from: usize,
+    rows: usize,
+    rate: f32,
+) -> Vec<RevealPick> {
+    if rate <= 0.0 || rows == 0 {
+        return Vec::new();
+    }
+    (layers.start..layers.end)
+        .filter_map(|layer| {
+            let mut h = blake3::Hasher::new_keyed(secret);
+            h.update(b"spot check");
+            h.update(&g.0);
+            h.update(&step.to_le_bytes());
+            h.update(&layer.to_le_bytes());
+            let b = h.finalize();
+            let word =
+                |i: usize| u64::from_le_bytes(b.as_bytes()[i..i + 8].try_into().unwrap_or([0; 8]));
+            let u = (word(0) >> 11) as f64 / (1u64 << 53) as f64;
+            (u < rate as f64).then(|| RevealPick {
+                layer,
+                position: (from + (word(8) % rows as u64) as usize) as u32,
+            })
+        })
+        .collect()
+}
+
+/// Asks `seg.peer` to reveal `picks` of its last hop in `log` (step `step` of `g`) and checks
+/// them. Returns whether the stage was proven to lie (by the referee a failed check calls, or
+/// by the audit a refused reveal calls).
+pub async fn spot_check(
+    node: Arc<Node>,
+    seg: RouteHop,
+    log: StageLog,
+    g: GenerationId,
+    step: u64,
+    picks: Vec<RevealPick>,
+    session: Arc<tokio::sync::Mutex<AuditSession>>,
+) -> bool {
+    let (Some(trace), Some(input)) = (log.traces.last().cloned(), log.inputs.last()) else {
+        return false;
+    };
+    let rows = input.rows();
+    let request = StageRequest::Reveal(RevealRequest {
+        generation: g,
+        step,
+        picks: picks.clone(),
+    });
+    let answer = match seg.peer.parse() {
+        Ok(peer) => node.client.stage_request(peer, request).await,
+        Err(_) => return false,
+    };
+    let reveals = match answer {
+        Ok(StageResponse::Reveal(Ok(r))) if r.len() == picks.len() => r,
+        other => {
+            let why = match other {
+                Ok(StageResponse::Reveal(Err(e))) => e,
+                Ok(_) => "an unexpected or incomplete answer".into(),
+                Err(e) => e.to_string(),
+            };
+            tally(&node, |t| t.unavailable += 1);
+            if rows == 1 {
+                warn!(
+                    "{} would not reveal a one-row hop ({why}): auditing it",
+                    seg.peer
+                );
+                return audit(node, seg, log, session).await;
+            }
+            info!("{} did not reveal a {rows}-row hop: {why}", seg.peer);
+            return false;
+        }
+    };
+    let bytes: usize = reveals
+        .iter()
+        .map(|r| {
+            (r.input.data.len() + r.next.data.len()) * 4
+                + r.rows
+                    .iter()
+                    .map(|x| x.encoding.len() + 32 * (x.path.len() + 1))
+                    .sum::<usize>()
+        })
+        .sum();
+    let layers: Vec<usize> = picks.iter().map(|p| p.layer as usize).collect();
+    let (checkers, model) = match (checkers(&node, &layers).await, node.serving()) {
+        (Ok(c), Some(s)) => (c, s.model.clone()),
+        (Err(e), _) => {
+            warn!("cannot spot-check layers {}: {e}", seg.layers);
+            tally(&node, |t| t.unavailable += 1);
+            return false;
+        }
+        (_, None) => return false,
+    };
+    let checked = tokio::task::spawn_blocking(move || {
+        for (pick, reveal) in picks.iter().zip(&reveals) {
+            if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
+                return Err(format!(
+                    "asked for layer {} at {}, got layer {} at {}",
+                    pick.layer, pick.position, reveal.layer, reveal.position
+                ));
+            }
+            let c = checkers
+                .get(&(pick.layer as usize))
+                .ok_or("no checker for a picked layer")?;
+            c.check(&model, &trace, rows, reveal)?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
+    let n = layers.len() as u64;
+    tally(&node, |t| {
+        t.run += 1;
+        t.layers += n;
+        t.bytes += bytes as u64;
+        if checked.is_ok() {
+            t.passed += 1;
+        } else {
+            t.failed += 1;
+        }
+    });
+    match checked {
+        Ok(()) => false,
+        Err(why) => {
+            warn!(
+                "spot check of {} (layers {}, step {step}) failed: {why}; refereeing",
+                seg.peer, seg.layers
+            );
+            referee(node, &seg.peer, seg.layers, &log).await
+        }
+    }
+}
+
+fn tally(node: &Node, f: impl FnOnce(&mut SpotTally)) {
+    f(&mut node.audits.lock().unwrap_or_else(|e| e.into_inner()).spot);
+}
+
+/// The checkers of `layers`, building the missing ones from our own copy of the weights (one
+/// layer loaded at a time, dropped once `W · r` is computed). The secret never leaves us.
+async fn checkers(
+    node: &Arc<Node>,
+    layers: &[usize],
+) -> Result<HashMap<usize, Arc<LayerChecker>>, String> {
+    let mut held = node.checkers.lock().await;
+    let missing: Vec<usize> = layers
+        .iter()
+        .copied()
+        .filter(|l| !held.contains_key(l))
+        .collect();
+    if !missing.is_empty() {
+        let n2 = node.clone();
+        let built = tokio::task::spawn_blocking(move || -> Result<Vec<LayerChecker>, String> {
+            let secret = Domain::HopRecord
+                .hash(&[&b"freivalds"[..], &n2.audit_secret].concat())
+                .0;
+            let serving = n2.serving();
+            let mut out = Vec::new();
+            for l in missing {
+                let own = serving
+                    .as_ref()
+                    .filter(|s| s.model.loaded_layers().contains(&l));
+                let c = match own {
+                    Some(s) => LayerChecker::new(&s.model, l, &secret),
+                    None => Model::load(
+                        &n2.cfg.model,
+                        &LoadOptions {
+                            layers: Some(l..l + 1),
+                            head: false,
+                            cache_in: Some(n2.cfg.data_dir.clone()),
+                        },
+                    )
+                    .and_then(|m| LayerChecker::new(&m, l, &secret)),
+                };
+                out.push(c.map_err(|e| e.to_string())?);
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        for c in built {
+            held.insert(c.layer(), Arc::new(c));
+        }
+    }
+    Ok(layers
+        .iter()
+        .filter_map(|l| held.get(l).map(|c| (*l, c.clone())))
+        .collect())
+}
