@@ -6,14 +6,15 @@
 //!   `H` hops on the liar, docs/VERIFICATION.md predicts detection with probability
 //!   `1 − (1 − f·p)^H`.
 //! - Spot checks only: the head checks each layer of each remote hop with probability `c`, at
-//!   one random row. The flipped output shows only in the last layer, and only at the flipped
-//!   row: a one-row (decode) hop is caught with probability `c`, the 9-row prefill with `c/9`,
-//!   so `1 − (1 − f·c/9)·(1 − f·c)^(H−1)`.
+//!   one random row. The flipped output shows in the last layer's check, whatever row it picks
+//!   (the revealed output rows no longer hash to the signed output), so a lying hop is caught
+//!   with probability `c`: `1 − (1 − f·c)^H`.
 //!
 //! Each counts how often the liar is actually proven and excluded.
 //!
 //! ```text
 //! cargo bench -p dc-tests --bench detection            # DETECTION_TRIALS=N (default 40)
+//! DETECTION_ONLY=spot cargo bench -p dc-tests --bench detection   # or audit: one kind of row
 //! ```
 
 #![allow(clippy::unwrap_used)] // a benchmark: a panic is the failure report
@@ -69,7 +70,11 @@ fn main() {
         (1.0, 0.0, 0.1),
         (0.1, 0.0, 1.0),
     ];
+    let only = std::env::var("DETECTION_ONLY").unwrap_or_default();
     for (f, p, c) in rows {
+        if (only == "spot" && c == 0.0) || (only == "audit" && p == 0.0) {
+            continue;
+        }
         let mut caught = 0;
         let (mut audits, mut unavailable) = (0, 0);
         let mut full_hops = Vec::new();
@@ -113,8 +118,7 @@ fn main() {
         }
         // H: the liar's hops in a generation it was not caught in (all of them).
         let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
-        let predicted =
-            1.0 - (1.0 - f * p).powf(h) * (1.0 - f * c / 9.0) * (1.0 - f * c).powf(h - 1.0);
+        let predicted = 1.0 - (1.0 - f * p).powf(h) * (1.0 - f * c).powf(h);
         println!(
             "{f:5.2} {p:8.2} {c:7.2} {h:7.0} {predicted:11.3} {:10.3} ({caught}/{trials})   {audits}, {unavailable}",
             caught as f64 / trials as f64

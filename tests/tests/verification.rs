@@ -202,6 +202,18 @@ fn honest_swarms_never_fail_an_audit() {
         assert_eq!(got["tokens"], local(&model, "21", &s, "1.0")["tokens"]);
     }
     let (mut run, mut failed, mut spot_run, mut spot_failed) = (0, 0, 0, 0);
+    // Every remote hop was audited, yet each auditor replayed each input once (its replay
+    // cache continues from the last audit): no more positions than the stages served.
+    let all = [&a, &b, &c, &d];
+    let replayed: u64 = all
+        .iter()
+        .map(|x| x.status()["audit_positions_replayed"].as_u64().unwrap())
+        .sum();
+    let served: u64 = all
+        .iter()
+        .map(|x| x.status()["positions_served"].as_u64().unwrap())
+        .sum();
+    assert!(replayed > 0 && replayed <= served, "replayed {replayed}, served {served}");
     for d in [&a, &b] {
         let au = &d.status()["audits"];
         run += au["run"].as_u64().unwrap();

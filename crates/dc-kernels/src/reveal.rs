@@ -6,7 +6,7 @@
 //! malformed bytes with a reason and bounds what it allocates.
 
 use crate::commit::{encode_exact, encode_row, gemm_commitment, verify_merkle, Commitment, Domain};
-use crate::exact::Exact;
+use crate::exact::{round_i64_fast, Exact};
 use crate::gemm::Accumulators;
 
 /// Most limbs a wide value may have on the wire (a real accumulator needs at most a handful).
@@ -96,6 +96,20 @@ fn take<const N: usize>(rest: &mut &[u8]) -> Option<[u8; N]> {
     Some(*a)
 }
 
+/// [`Exact::to_f32`] with the kernels' fast rounding for the values a product really produces
+/// (an odd mantissa below 2^63 and a moderate exponent); anything else takes the general path.
+/// The same rounding either way (property-tested).
+pub fn rounded(value: &Exact) -> Option<f32> {
+    match value {
+        // kept < 2^53 and 2^(exp + shift) inside f64's normal range: the f64 product is exact.
+        Exact::Small { mant, exp } if (-1000..=900).contains(exp) => {
+            let v = round_i64_fast(*mant, *exp);
+            v.is_finite().then_some(v)
+        }
+        _ => value.to_f32(),
+    }
+}
+
 /// One revealed row of a product committed over `rows` positions starting at `first`.
 #[derive(Clone, Copy, Debug)]
 pub struct Opening<'a> {
@@ -156,6 +170,30 @@ mod tests {
         let bytes = values_encoding(&v);
         assert_eq!(decode_row(&bytes, v.len()), Ok(v.clone()));
         assert_eq!(leaf_of_encoding(9, v.len(), &bytes), exact_row_leaf(9, &v));
+    }
+
+    #[test]
+    fn fast_rounding_is_the_general_rounding() {
+        let mut rng = crate::rng::SplitMix64::new(7);
+        for i in 0..200_000u64 {
+            let mant = match i % 4 {
+                0 => (rng.next_u64() >> (rng.next_u64() % 64)) as i64,
+                1 => -((rng.next_u64() >> 1) as i64),
+                2 => (rng.next_u64() % 1000) as i64 - 500,
+                _ => rng.next_u64() as i64,
+            };
+            let exp = (rng.next_u64() % 2400) as i32 - 1200;
+            for e in [
+                exp,
+                exp % 160,
+                -149 - (mant.unsigned_abs().max(1).ilog2() as i32),
+                127,
+            ] {
+                let v = Exact::from_i64(mant, e);
+                let (a, b) = (rounded(&v), v.to_f32());
+                assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{v:?}");
+            }
+        }
     }
 
     #[test]

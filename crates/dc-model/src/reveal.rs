@@ -11,7 +11,7 @@
 
 use dc_kernels::commit::{merkle_proof, merkle_root, row_leaf_at};
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_row, leaf_of_encoding, row_encoding, Opening};
+use dc_kernels::reveal::{decode_row, leaf_of_encoding, rounded, row_encoding, Opening};
 use dc_kernels::{Accumulators, Commitment, Domain, Exact, QuantizedRows};
 use dc_types::{HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
@@ -369,7 +369,7 @@ impl Revealed<'_> {
             .ok_or_else(|| ModelError::Input(format!("layer {layer}: no {point:?} row")))?;
         v.iter()
             .map(|e| {
-                e.to_f32().ok_or_else(|| {
+                rounded(e).ok_or_else(|| {
                     ModelError::Input(format!("layer {layer}: a {point:?} value overflows f32"))
                 })
             })

@@ -60,6 +60,8 @@ pub struct Stats {
     pub exclusions: AtomicU64,
     /// Tokens corrected after a liar was found.
     pub corrections: AtomicU64,
+    /// Positions replayed to audit other stages.
+    pub audit_positions: AtomicU64,
 }
 
 /// A running daemon.

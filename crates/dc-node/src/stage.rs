@@ -442,6 +442,7 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         .acquire_owned()
         .await
         .map_err(|_| "shutting down")?;
+    let replayed = next - first;
     let n2 = node.clone();
     let ran = tokio::task::spawn_blocking(move || {
         let last = hops.len() - 1;
@@ -465,6 +466,9 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
     })
     .await;
     let (trace, cache) = ran.unwrap_or_else(|e| (Err(e.to_string()), None));
+    node.stats
+        .audit_positions
+        .fetch_add(replayed as u64, std::sync::atomic::Ordering::Relaxed);
     node.caches
         .lock()
         .unwrap_or_else(|e| e.into_inner())

@@ -67,6 +67,7 @@ pub fn status(node: &Node) -> Value {
         },
         "hops_served": node.stats.hops.load(Ordering::Relaxed),
         "positions_served": node.stats.positions.load(Ordering::Relaxed),
+        "audit_positions_replayed": node.stats.audit_positions.load(Ordering::Relaxed),
         "tokens_generated": node.stats.tokens.load(Ordering::Relaxed),
         "coverage": cov,
         "audits": audits,
