@@ -56,9 +56,9 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(40);
     let model = fixtures().join("llama");
-    println!("{trials} generations of {TOKENS} tokens per row; the liar routes every 2..4 hop");
+    println!("{trials} generations of {TOKENS} tokens per row that the liar took part in");
     println!(
-        "   f  audit p  spot c  hops H   predicted   measured (caught/trials)   checks run, unavailable"
+        "   f  audit p  spot c  hops H   predicted   measured (caught/trials)   checks run, unavailable   (generations skipped)"
     );
     let rows = [
         (0.1, 0.1, 0.0),
@@ -79,10 +79,14 @@ fn main() {
         let (mut audits, mut unavailable) = (0, 0);
         let mut full_hops = Vec::new();
         let mut s: Option<Swarm> = None;
-        for t in 0..trials {
+        // Only generations the liar took part in count: the head may route a generation
+        // through the honest stage instead.
+        let (mut counted, mut skipped, mut t) = (0, 0, 0);
+        while counted < trials && t < trials * 5 {
             let sw = s.get_or_insert_with(|| swarm(&model, f, c));
             let before = hops(&sw.liar);
             let seed = t.to_string();
+            t += 1;
             let rate = p.to_string();
             generate_json(&[
                 "--api",
@@ -102,7 +106,12 @@ fn main() {
             let served = hops(&sw.liar) - before;
             let status = sw.head.status();
             let excluded = !status["excluded_peers"].as_array().unwrap().is_empty();
-            if excluded || t + 1 == trials {
+            if served == 0 && !excluded {
+                skipped += 1;
+                continue;
+            }
+            counted += 1;
+            if excluded || counted == trials {
                 let a = &status["audits"];
                 let spot = &a["spot_checks"];
                 audits += a["run"].as_u64().unwrap() + spot["run"].as_u64().unwrap();
@@ -120,8 +129,8 @@ fn main() {
         let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
         let predicted = 1.0 - (1.0 - f * p).powf(h) * (1.0 - f * c).powf(h);
         println!(
-            "{f:5.2} {p:8.2} {c:7.2} {h:7.0} {predicted:11.3} {:10.3} ({caught}/{trials})   {audits}, {unavailable}",
-            caught as f64 / trials as f64
+            "{f:5.2} {p:8.2} {c:7.2} {h:7.0} {predicted:11.3} {:10.3} ({caught}/{counted})   {audits}, {unavailable}   ({skipped} without the liar)",
+            caught as f64 / counted.max(1) as f64
         );
     }
 }

@@ -213,7 +213,10 @@ fn honest_swarms_never_fail_an_audit() {
         .iter()
         .map(|x| x.status()["positions_served"].as_u64().unwrap())
         .sum();
-    assert!(replayed > 0 && replayed <= served, "replayed {replayed}, served {served}");
+    assert!(
+        replayed > 0 && replayed <= served,
+        "replayed {replayed}, served {served}"
+    );
     for d in [&a, &b] {
         let au = &d.status()["audits"];
         run += au["run"].as_u64().unwrap();

@@ -129,6 +129,10 @@ pub fn run(
             .insert(g, y.clone());
         return Ok((y, kept));
     }
+    tracing::info!(
+        "fault: lying ({:?}) on step {step} of generation {g}",
+        f.kind
+    );
     let kept;
     let layers = cache.layers();
     let y =

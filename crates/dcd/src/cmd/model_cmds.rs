@@ -242,34 +242,35 @@ fn spot_costs(
     let build = s.elapsed().as_secs_f64() / n as f64;
     let (mut committed, mut kept) = (Vec::new(), Vec::new());
     let (mut reveal, mut check, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
-    for keep in [false, true] {
-        let mut cache = dc_model::KvCache::new(&model.config, layers.clone());
+    // Two stages over the same positions, one committing and one also keeping, taking turns
+    // token by token so the machine's drift hits both alike.
+    let mut caches = [0, 1].map(|_| dc_model::KvCache::new(&model.config, layers.clone()));
+    for cache in &mut caches {
         let mut t = HopTrace::from_position(0);
-        model.run_layers_traced(gemm, model.embed(prompt, 0)?, &mut cache, Some(&mut t))?;
-        for i in 0..decode {
-            let pos = prompt.len() + i;
-            let x = model.embed(&[(pos % 100) as u32], pos)?;
-            let mut t = HopTrace::from_position(pos);
-            let s = Instant::now();
-            if !keep {
-                model.run_layers_traced(gemm, x, &mut cache, Some(&mut t))?;
-                committed.push(s.elapsed().as_secs_f64());
-                continue;
-            }
-            let (_, hop) = model.run_layers_kept(gemm, x, &mut cache, &mut t)?;
-            kept.push(s.elapsed().as_secs_f64());
-            let c = &checkers[i % n];
-            let s = Instant::now();
-            let r = hop
-                .reveal(c.layer(), pos)
-                .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
-            reveal.push(s.elapsed().as_secs_f64());
-            bytes.push(dc_types::encode(&r, usize::MAX)?.len() as f64);
-            let s = Instant::now();
-            c.check(model, &t, 1, &r)
-                .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
-            check.push(s.elapsed().as_secs_f64());
-        }
+        model.run_layers_traced(gemm, model.embed(prompt, 0)?, cache, Some(&mut t))?;
+    }
+    for i in 0..decode {
+        let pos = prompt.len() + i;
+        let x = model.embed(&[(pos % 100) as u32], pos)?;
+        let mut t = HopTrace::from_position(pos);
+        let s = Instant::now();
+        model.run_layers_traced(gemm, x.clone(), &mut caches[0], Some(&mut t))?;
+        committed.push(s.elapsed().as_secs_f64());
+        let mut t = HopTrace::from_position(pos);
+        let s = Instant::now();
+        let (_, hop) = model.run_layers_kept(gemm, x, &mut caches[1], &mut t)?;
+        kept.push(s.elapsed().as_secs_f64());
+        let c = &checkers[i % n];
+        let s = Instant::now();
+        let r = hop
+            .reveal(c.layer(), pos)
+            .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+        reveal.push(s.elapsed().as_secs_f64());
+        bytes.push(dc_types::encode(&r, usize::MAX)?.len() as f64);
+        let s = Instant::now();
+        c.check(model, &t, 1, &r)
+            .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
+        check.push(s.elapsed().as_secs_f64());
     }
     let committed = median(&mut committed);
     Ok(SpotCosts {
