@@ -23,7 +23,7 @@ use crate::audit::{
 };
 use crate::node::Node;
 use crate::spot;
-use crate::stage::{from_wire, serve_hop, to_wire};
+use crate::stage::{from_wire, serve_own_hop, to_wire};
 use crate::verify::{check_consistency, swiglu};
 use crate::view::plan_route;
 
@@ -83,7 +83,7 @@ async fn hop_on(
         activations: to_wire(x),
     };
     let resp = if peer == node.local {
-        serve_hop(node.clone(), req).await
+        serve_own_hop(node.clone(), req).await
     } else {
         let p: libp2p::PeerId = peer
             .parse()

@@ -237,8 +237,17 @@ fn refuse(kind: HopErrorKind, message: impl Into<String>) -> HopResponse {
     }
 }
 
-/// Runs one hop on this daemon's layers (for a remote head or for itself as head).
+/// Runs one hop on this daemon's layers for a remote head, keeping it for reveals.
 pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
+    run_hop(node, req, true).await
+}
+
+/// Runs one hop of a generation this daemon heads itself (nobody will ask it to reveal it).
+pub async fn serve_own_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
+    run_hop(node, req, false).await
+}
+
+async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
     if req.model_id != node.model_id {
         return refuse(
             HopErrorKind::WrongModel,
@@ -330,7 +339,9 @@ pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
             {
                 let mut caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
                 caches.put(req.generation, Some(cache));
-                caches.keep(&req.generation, req.step, kept);
+                if keep {
+                    caches.keep(&req.generation, req.step, kept);
+                }
             }
             node.stats
                 .hops
