@@ -104,18 +104,12 @@ impl Domain {
     }
 
     fn key(self) -> &'static [u8; 32] {
-        static KEYS: OnceLock<Vec<[u8; 32]>> = OnceLock::new();
+        static KEYS: OnceLock<[[u8; 32]; Domain::ALL.len()]> = OnceLock::new();
         let keys = KEYS.get_or_init(|| {
-            Domain::ALL
-                .iter()
-                .map(|d| blake3::derive_key(d.context(), b"DaisyChain domain key"))
-                .collect()
+            Domain::ALL.map(|d| blake3::derive_key(d.context(), b"DaisyChain domain key"))
         });
-        let i = Domain::ALL
-            .iter()
-            .position(|d| *d == self)
-            .expect("every domain is listed in ALL");
-        &keys[i]
+        // `ALL` lists the domains in declaration order (tested), so the discriminant indexes it.
+        &keys[self as usize]
     }
 
     /// A keyed hasher for this domain.
@@ -144,10 +138,7 @@ impl Domain {
 /// - otherwise `0i64, i32::MIN, exp: i32, sign: u8, limbs: u32, limbs × u64 LE` (magnitude).
 pub fn encode_exact(value: &Exact, out: &mut Vec<u8>) {
     match value {
-        Exact::Small { mant, exp } => {
-            out.extend_from_slice(&mant.to_le_bytes());
-            out.extend_from_slice(&exp.to_le_bytes());
-        }
+        Exact::Small { mant, exp } => out.extend_from_slice(&small_bytes(*mant, *exp)),
         Exact::Wide { neg, mag, exp } => {
             out.extend_from_slice(&0i64.to_le_bytes());
             out.extend_from_slice(&i32::MIN.to_le_bytes());
@@ -161,37 +152,96 @@ pub fn encode_exact(value: &Exact, out: &mut Vec<u8>) {
     }
 }
 
-/// Appends the canonical encoding of one output row of a GEMM.
-pub fn encode_row(acc: &Accumulators, row: usize, out: &mut Vec<u8>) {
-    let slots = &acc.slots[row * acc.cols..(row + 1) * acc.cols];
-    out.reserve(slots.len() * 12);
-    for (c, s) in slots.iter().enumerate() {
-        if *s == Slot::WIDE {
-            encode_exact(&acc.get(row, c), out);
-        } else {
-            out.extend_from_slice(&s.mant.to_le_bytes());
-            out.extend_from_slice(&s.exp.to_le_bytes());
+/// The 12-byte encoding of a small value: `mant: i64 LE, exp: i32 LE`.
+#[inline]
+fn small_bytes(mant: i64, exp: i32) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[..8].copy_from_slice(&mant.to_le_bytes());
+    b[8..].copy_from_slice(&exp.to_le_bytes());
+    b
+}
+
+/// Appends the canonical encodings of `values`, one after another (what [`encode_exact`] gives
+/// value by value, with small values written 12 bytes at a time into reserved space).
+pub fn encode_values(values: &[Exact], out: &mut Vec<u8>) {
+    let mut c = 0;
+    while c < values.len() {
+        let rest = &values[c..];
+        out.reserve(rest.len() * 12);
+        let start = out.len();
+        let dst = out.spare_capacity_mut().as_mut_ptr() as *mut [u8; 12];
+        let mut n = 0;
+        for v in rest {
+            let Exact::Small { mant, exp } = v else {
+                break;
+            };
+            // SAFETY: `n < rest.len()` and `rest.len() · 12` bytes were reserved past `start`.
+            unsafe { dst.add(n).write_unaligned(small_bytes(*mant, *exp)) };
+            n += 1;
+        }
+        // SAFETY: the `n · 12` bytes past `start` were written above.
+        unsafe { out.set_len(start + n * 12) };
+        c += n;
+        if let Some(wide) = values.get(c) {
+            encode_exact(wide, out);
+            c += 1;
         }
     }
 }
 
+/// Appends the canonical encoding of one output row of a GEMM.
+///
+/// Small slots are written 12 bytes at a time into reserved space (no per-value capacity
+/// check); a wide slot goes through [`encode_exact`]. The bytes are those of the plain
+/// definition, value by value (property-tested against it).
+pub fn encode_row(acc: &Accumulators, row: usize, out: &mut Vec<u8>) {
+    let slots = &acc.slots[row * acc.cols..(row + 1) * acc.cols];
+    let mut c = 0;
+    while c < slots.len() {
+        let rest = &slots[c..];
+        out.reserve(rest.len() * 12);
+        let start = out.len();
+        let dst = out.spare_capacity_mut().as_mut_ptr() as *mut [u8; 12];
+        let mut n = 0;
+        for s in rest {
+            // The exponent first: it is almost never `i32::MIN`, where the mantissa is often 0.
+            if s.exp == Slot::WIDE.exp && s.mant == Slot::WIDE.mant {
+                break;
+            }
+            // SAFETY: `n < rest.len()` and `rest.len() · 12` bytes were reserved past `start`.
+            unsafe { dst.add(n).write_unaligned(small_bytes(s.mant, s.exp)) };
+            n += 1;
+        }
+        // SAFETY: the `n · 12` bytes past `start` were written above.
+        unsafe { out.set_len(start + n * 12) };
+        c += n;
+        if c < slots.len() {
+            encode_exact(&acc.get(row, c), out);
+            c += 1;
+        }
+    }
+}
+
+/// Appends a row leaf's bytes: `position: u64 LE, columns: u64 LE`, then the encoding.
+fn leaf_bytes(acc: &Accumulators, row: usize, position: usize, out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(16 + acc.cols * 12);
+    out.extend_from_slice(&(position as u64).to_le_bytes());
+    out.extend_from_slice(&(acc.cols as u64).to_le_bytes());
+    encode_row(acc, row, out);
+}
+
 /// The Merkle leaf of one GEMM output row: `H_row(row index, column count, encoding)`.
 pub fn row_leaf(acc: &Accumulators, row: usize) -> Commitment {
-    let mut bytes = Vec::with_capacity(16 + acc.cols * 12);
-    bytes.extend_from_slice(&(row as u64).to_le_bytes());
-    bytes.extend_from_slice(&(acc.cols as u64).to_le_bytes());
-    encode_row(acc, row, &mut bytes);
-    Domain::GemmRow.hash(&bytes)
+    row_leaf_at(acc, row, 0)
 }
 
 /// The Merkle leaf of row `row` of a GEMM whose rows are absolute sequence positions starting
 /// at `first`: the leaf names the position, so the rows of one hop can be checked against a
 /// recomputation over a longer sequence.
 pub fn row_leaf_at(acc: &Accumulators, row: usize, first: usize) -> Commitment {
-    let mut bytes = Vec::with_capacity(16 + acc.cols * 12);
-    bytes.extend_from_slice(&((first + row) as u64).to_le_bytes());
-    bytes.extend_from_slice(&(acc.cols as u64).to_le_bytes());
-    encode_row(acc, row, &mut bytes);
+    let mut bytes = Vec::new();
+    leaf_bytes(acc, row, first + row, &mut bytes);
     Domain::GemmRow.hash(&bytes)
 }
 
@@ -205,8 +255,12 @@ pub fn commit_gemm_at(acc: &Accumulators, first: usize) -> Commitment {
 /// run (an audit replays every earlier position to rebuild the caches).
 pub fn commit_gemm_from(acc: &Accumulators, first: usize, from: usize) -> Commitment {
     let skip = from.saturating_sub(first).min(acc.rows);
+    let mut bytes = Vec::new();
     let leaves: Vec<Commitment> = (skip..acc.rows)
-        .map(|r| row_leaf_at(acc, r, first))
+        .map(|r| {
+            leaf_bytes(acc, r, first + r, &mut bytes);
+            Domain::GemmRow.hash(&bytes)
+        })
         .collect();
     gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
 }
@@ -218,7 +272,10 @@ pub(crate) fn commit_gemm_from_par(acc: &Accumulators, first: usize, from: usize
     let skip = from.saturating_sub(first).min(acc.rows);
     let leaves: Vec<Commitment> = (skip..acc.rows)
         .into_par_iter()
-        .map(|r| row_leaf_at(acc, r, first))
+        .map_init(Vec::new, |bytes, r| {
+            leaf_bytes(acc, r, first + r, bytes);
+            Domain::GemmRow.hash(bytes)
+        })
         .collect();
     gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
 }
@@ -226,12 +283,17 @@ pub(crate) fn commit_gemm_from_par(acc: &Accumulators, first: usize, from: usize
 /// A row leaf from exact values computed outside a GEMM kernel (the attention products), in
 /// the same format as [`row_leaf_at`].
 pub fn exact_row_leaf(position: usize, values: &[Exact]) -> Commitment {
-    let mut bytes = Vec::with_capacity(16 + values.len() * 12);
+    let wide: usize = values
+        .iter()
+        .map(|v| match v {
+            Exact::Small { .. } => 0,
+            Exact::Wide { mag, .. } => 9 + mag.len() * 8,
+        })
+        .sum();
+    let mut bytes = Vec::with_capacity(16 + values.len() * 12 + wide);
     bytes.extend_from_slice(&(position as u64).to_le_bytes());
     bytes.extend_from_slice(&(values.len() as u64).to_le_bytes());
-    for v in values {
-        encode_exact(v, &mut bytes);
-    }
+    encode_values(values, &mut bytes);
     Domain::GemmRow.hash(&bytes)
 }
 
@@ -360,6 +422,13 @@ mod tests {
                     assert!(!verify_merkle(&root, &l[i], (i + 1) % n, n, &proof));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn domains_are_listed_in_declaration_order() {
+        for (i, d) in Domain::ALL.iter().enumerate() {
+            assert_eq!(*d as usize, i, "{d:?}");
         }
     }
 

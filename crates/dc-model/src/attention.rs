@@ -200,11 +200,12 @@ pub struct AttentionCommitments {
     pub context: dc_kernels::Commitment,
 }
 
-/// Exact values of one (position, head), kept only when committing.
+/// Exact values of one (position, head), kept only when committing. `ExactRow`s free their
+/// buffers without visiting every value (they are nearly always all small).
 #[derive(Default)]
 struct HeadExact {
-    scores: Vec<Exact>,
-    context: Vec<Exact>,
+    scores: dc_kernels::exact::ExactRow,
+    context: dc_kernels::exact::ExactRow,
 }
 
 /// Causal attention of `rows` new query rows at absolute positions `start..start + rows`
@@ -372,13 +373,17 @@ fn head_attention(
     let first_block = lo / BLOCK;
     let last_block = pos / BLOCK;
     let mut acc = vec![0i32; hd];
-    let mut ctx_terms: Vec<Vec<(i64, i32)>> =
-        vec![Vec::with_capacity(last_block + 1 - first_block); hd];
+    // The block terms of every output in one allocation, output-major: `blocks` places per
+    // output, of which the first `used` are filled (a block of all-zero P' adds no term to any
+    // output), in block order.
+    let blocks = last_block + 1 - first_block;
+    let mut ctx_terms = vec![(0i64, 0i32); hd * blocks];
+    let mut used = 0;
+    let mut pv: Vec<f64> = Vec::with_capacity(BLOCK);
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
-        let pv: Vec<f64> = (j0..=j1)
-            .map(|j| scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32))
-            .collect();
+        pv.clear();
+        pv.extend((j0..=j1).map(|j| scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32)));
         let amax = pv.iter().fold(0f64, |m, &x| m.max(x));
         if amax == 0.0 {
             continue;
@@ -399,12 +404,13 @@ fn head_attention(
                 *a += qp * v as i32;
             }
         }
-        for (t, &a) in ctx_terms.iter_mut().zip(&acc) {
-            t.push((a as i64 * s.m as i64, s.e as i32));
+        for (t, &a) in ctx_terms.chunks_exact_mut(blocks).zip(&acc) {
+            t[used] = (a as i64 * s.m as i64, s.e as i32);
         }
+        used += 1;
     }
-    for (o, t) in out.iter_mut().zip(&ctx_terms) {
-        let e = context_sum(t);
+    for (o, t) in out.iter_mut().zip(ctx_terms.chunks_exact(blocks)) {
+        let e = context_sum(&t[..used]);
         *o = e
             .to_f32()
             .ok_or_else(|| format!("context overflows f32 at position {pos}"))?;

@@ -233,12 +233,13 @@ impl Gemm {
         w: &PackedWeights,
         out: &mut [f32],
     ) -> Result<Accumulators> {
-        let mut slots = vec![Slot::default(); x.rows() * w.n()];
+        let mut slots = sink::unwritten_slots(x.rows() * w.n());
         let wide = self.run(x, w, out, Some(&mut slots))?;
         Ok(Accumulators {
             rows: x.rows(),
             cols: w.n(),
-            slots,
+            // SAFETY: `run` returned Ok, so the sink saw every slot written.
+            slots: unsafe { sink::written_slots(slots) },
             wide,
         })
     }
@@ -248,7 +249,7 @@ impl Gemm {
         x: &QuantizedRows,
         w: &PackedWeights,
         out: &mut [f32],
-        slots: Option<&mut [Slot]>,
+        slots: Option<&mut [std::mem::MaybeUninit<Slot>]>,
     ) -> Result<Vec<(usize, crate::exact::Exact)>> {
         if x.k() != w.k() {
             return Err(KernelError::Shape {
@@ -277,10 +278,18 @@ impl Gemm {
             _ => self.kernel.run(x, w, 0..panels, &sink)?,
         }
         sink.overflow_error()?;
-        Ok(if sink.wants_slots() {
-            sink.into_wide()
-        } else {
-            Vec::new()
-        })
+        if !sink.wants_slots() {
+            return Ok(Vec::new());
+        }
+        // Every kernel hands every output to the sink; anything else is a kernel bug, and the
+        // unwritten slots must never be read.
+        assert!(
+            sink.all_slots_written(),
+            "{} kernel left exact accumulators unwritten ({} × {})",
+            self.kernel,
+            x.rows(),
+            w.n()
+        );
+        Ok(sink.into_wide())
     }
 }
