@@ -5,7 +5,9 @@
 //! Everything a revealed row carries comes from a peer that may lie, so decoding refuses
 //! malformed bytes with a reason and bounds what it allocates.
 
-use crate::commit::{encode_exact, encode_row, gemm_commitment, verify_merkle, Commitment, Domain};
+use crate::commit::{
+    encode_row, encode_values, gemm_commitment, verify_merkle, Commitment, Domain,
+};
 use crate::exact::{round_i64_fast, Exact};
 use crate::gemm::Accumulators;
 
@@ -22,9 +24,7 @@ pub fn row_encoding(acc: &Accumulators, row: usize) -> Vec<u8> {
 /// The canonical encoding of a row of exact values.
 pub fn values_encoding(values: &[Exact]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * 12);
-    for v in values {
-        encode_exact(v, &mut out);
-    }
+    encode_values(values, &mut out);
     out
 }
 
