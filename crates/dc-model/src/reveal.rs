@@ -359,15 +359,21 @@ struct Revealed<'a> {
 }
 
 impl Revealed<'_> {
-    fn rounded(&self, point: Point) -> Result<Vec<f32>> {
+    /// The revealed exact values of `point`.
+    fn values(&self, point: Point) -> Result<&[Exact]> {
         let layer = self.checker.layer;
-        let v = self
-            .values
+        self.values
             .iter()
             .find(|(p, _)| *p == point)
-            .map(|(_, v)| v)
-            .ok_or_else(|| ModelError::Input(format!("layer {layer}: no {point:?} row")))?;
-        v.iter()
+            .map(|(_, v)| v.as_slice())
+            .ok_or_else(|| ModelError::Input(format!("layer {layer}: no {point:?} row")))
+    }
+
+    /// Those values rounded to f32, as the stage's epilogue rounded them.
+    fn rounded(&self, point: Point) -> Result<Vec<f32>> {
+        let layer = self.checker.layer;
+        self.values(point)?
+            .iter()
             .map(|e| {
                 rounded(e).ok_or_else(|| {
                     ModelError::Input(format!("layer {layer}: a {point:?} value overflows f32"))
@@ -384,13 +390,7 @@ impl Products for Revealed<'_> {
             .checker
             .key(point)
             .ok_or_else(|| ModelError::Input(format!("layer {layer} has no {point:?} product")))?;
-        let values = self
-            .values
-            .iter()
-            .find(|(p, _)| *p == point)
-            .map(|(_, v)| v)
-            .ok_or_else(|| ModelError::Input(format!("layer {layer}: no {point:?} row")))?;
-        if !key.check_values(x, 0, values) {
+        if !key.check_values(x, 0, self.values(point)?) {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the {point:?} row is not its input times the weights \
                  (Freivalds' test)"

@@ -253,8 +253,16 @@ pub async fn audit(
         }
     };
     let mut theirs = Err(String::new());
-    // Continue the auditor's cache; if it lost it, start over once from position 0.
-    for held in [session.held, 0] {
+    // Continue the auditor's cache; if it lost it, start over once from position 0. An audit
+    // of a hop the cache has already passed (audits of one stage can start out of order)
+    // starts from 0 at once.
+    let resume = if session.held <= last.start {
+        session.held
+    } else {
+        0
+    };
+    let tries: &[usize] = if resume > 0 { &[resume, 0] } else { &[0] };
+    for &held in tries {
         let skip = log.inputs.iter().take_while(|x| x.start < held).count();
         let req = AuditRequest {
             model_id: node.model_id,
@@ -279,7 +287,7 @@ pub async fn audit(
                 Err(e) => Err(e.to_string()),
             }
         };
-        if theirs.is_ok() || held == 0 {
+        if theirs.is_ok() {
             break;
         }
     }
