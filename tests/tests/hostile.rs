@@ -158,8 +158,17 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         other => panic!("expected a reveal answer, got {other:?}"),
     };
     let ok = revealed(client.stage_request(victim, reveal(0, vec![(1, 0)])).await).unwrap();
-    assert_eq!((ok.len(), ok[0].layer, ok[0].rows.len()), (1, 1, 8));
+    // Every product's row but the KV cache's (q, k, v, scores, context, o, gate, up, down),
+    // and the layer's cache rows of the hop's one position.
+    assert_eq!((ok.len(), ok[0].layer, ok[0].rows.len()), (1, 1, 9));
+    let cfg = dc_model::Model::load(&model, &Default::default())
+        .unwrap()
+        .config;
+    let row_bytes =
+        dc_model::attention::LayerCache::new(cfg.num_kv_heads, cfg.head_dim).row_bytes();
+    assert_eq!(ok[0].cache.len(), row_bytes);
     for (step, picks, why) in [
+        (0, vec![(1, 0), (1, 0)], "layer 1 is picked twice"),
         (0, vec![(9, 0)], "layer 9 is not in this hop"),
         (0, vec![(1, 5)], "position 5 is not in this hop"),
         (3, vec![(1, 0)], "is not kept here"),

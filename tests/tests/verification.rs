@@ -93,7 +93,13 @@ fn lie_is_caught(model: &Path, head_extra: &[&str], fault: &str) -> Value {
 #[test]
 fn every_kind_of_lie_is_caught_proven_and_excluded() {
     let model = fixtures().join("llama");
-    for fault in ["flip-bit", "skip-layer", "other-weights", "stale:0.5"] {
+    for fault in [
+        "flip-bit",
+        "skip-layer",
+        "other-weights",
+        "stale:0.5",
+        "attention",
+    ] {
         let extra = ["--audit-rate", "1", "--spot-check-rate", "0"];
         let audits = lie_is_caught(&model, &extra, fault);
         assert!(audits["failed"].as_u64().unwrap() >= 1, "{fault}: {audits}");
@@ -103,9 +109,16 @@ fn every_kind_of_lie_is_caught_proven_and_excluded() {
 
 #[test]
 fn spot_checks_alone_catch_every_kind_of_lie() {
-    // No replay audits: only revealed rows, Freivalds' test and the glue recomputed.
+    // No replay audits: only revealed rows, Freivalds' test, the attention and the glue
+    // recomputed.
     let model = fixtures().join("qwen2");
-    for fault in ["flip-bit", "skip-layer", "other-weights", "stale:0.5"] {
+    for fault in [
+        "flip-bit",
+        "skip-layer",
+        "other-weights",
+        "stale:0.5",
+        "attention",
+    ] {
         let extra = ["--audit-rate", "0", "--spot-check-rate", "1"];
         let audits = lie_is_caught(&model, &extra, fault);
         let spot = &audits["spot_checks"];

@@ -71,10 +71,12 @@ pub enum Domain {
     CacheKey,
     /// A fraud proof.
     FraudProof,
+    /// One position's row of a layer's KV cache (a Merkle leaf).
+    KvRow,
 }
 
 impl Domain {
-    const ALL: [Domain; 10] = [
+    const ALL: [Domain; 11] = [
         Domain::GemmRow,
         Domain::MerkleNode,
         Domain::Gemm,
@@ -85,6 +87,7 @@ impl Domain {
         Domain::Tensor,
         Domain::CacheKey,
         Domain::FraudProof,
+        Domain::KvRow,
     ];
 
     /// The blake3 `derive_key` context: globally unique, never to be changed once shipped.
@@ -100,6 +103,7 @@ impl Domain {
             Domain::Tensor => "DaisyChain 2026-11-29 tensor v1",
             Domain::CacheKey => "DaisyChain 2026-11-29 quantised cache key v1",
             Domain::FraudProof => "DaisyChain 2026-11-29 fraud proof v1",
+            Domain::KvRow => "DaisyChain 2026-11-30 kv cache row leaf v1",
         }
     }
 

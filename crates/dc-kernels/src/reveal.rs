@@ -135,18 +135,18 @@ impl Opening<'_> {
     /// Whether this is row `position` of the committed product: the root with the shape makes
     /// the commitment, and the row's leaf with its path makes the root.
     pub fn holds(&self) -> bool {
+        self.holds_for(&leaf_of_encoding(self.position, self.cols, self.encoding))
+    }
+
+    /// Whether `leaf` (which a checker computed itself; `encoding` is then unused) is the leaf
+    /// of row `position` of the committed product.
+    pub fn holds_for(&self, leaf: &Commitment) -> bool {
         let Some(index) = self.position.checked_sub(self.first) else {
             return false;
         };
         index < self.rows
             && gemm_commitment(self.rows, self.cols, self.root) == *self.commitment
-            && verify_merkle(
-                self.root,
-                &leaf_of_encoding(self.position, self.cols, self.encoding),
-                index,
-                self.rows,
-                self.path,
-            )
+            && verify_merkle(self.root, leaf, index, self.rows, self.path)
     }
 }
 

@@ -13,7 +13,7 @@ use dc_kernels::commit::{exact_row_leaf, gemm_commitment, merkle_root};
 use dc_kernels::elementwise::softmax;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
-use dc_kernels::reveal::{leaf_of_encoding, values_encoding};
+use dc_kernels::{Commitment, Domain};
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
@@ -127,6 +127,97 @@ impl LayerCache {
         self.k_q.len() + self.v_q.len() + self.k_s.len() * 4 + self.v_e.len() * 2
     }
 
+    /// Bytes of one position's canonical encoding: per kv head, the key's int8 blocks (padded
+    /// to whole blocks) and their scales (`m` then `e` as i16 little-endian), then the value's
+    /// int8s and its exponent (i16 little-endian).
+    pub fn row_bytes(&self) -> usize {
+        self.kv_heads * (self.hb * (BLOCK + 3) + self.head_dim + 2)
+    }
+
+    /// Appends the canonical encoding of position `pos` (which must be held) to `out`.
+    pub fn encode_row(&self, pos: usize, out: &mut Vec<u8>) {
+        let (kvh, hb, hd) = (self.kv_heads, self.hb, self.head_dim);
+        for g in 0..kvh {
+            let base = (pos * kvh + g) * hb;
+            for &q in &self.k_q[base * BLOCK..(base + hb) * BLOCK] {
+                out.push(q as u8);
+            }
+            for s in &self.k_s[base..base + hb] {
+                out.push(s.m);
+                out.extend_from_slice(&s.e.to_le_bytes());
+            }
+            for &q in &self.v_q[(pos * kvh + g) * hd..(pos * kvh + g + 1) * hd] {
+                out.push(q as u8);
+            }
+            out.extend_from_slice(&self.v_e[pos * kvh + g].to_le_bytes());
+        }
+    }
+
+    /// The canonical encodings of `positions`, concatenated.
+    pub fn encode_rows(&self, positions: std::ops::Range<usize>) -> Vec<u8> {
+        let mut out = Vec::with_capacity(positions.len() * self.row_bytes());
+        for pos in positions {
+            self.encode_row(pos, &mut out);
+        }
+        out
+    }
+
+    /// A cache holding the positions encoded in `bytes` (whole rows of [`Self::row_bytes`]),
+    /// as revealed by a peer: refuses anything [`Self::append`] could not have produced.
+    pub fn from_encoded(kv_heads: usize, head_dim: usize, bytes: &[u8]) -> Result<LayerCache> {
+        let mut c = LayerCache::new(kv_heads, head_dim);
+        let rb = c.row_bytes();
+        if rb == 0 || !bytes.len().is_multiple_of(rb) {
+            return Err(ModelError::Input(format!(
+                "{} bytes of cache rows are not whole rows of {rb}",
+                bytes.len()
+            )));
+        }
+        let bad = |what: &str, pos: usize| {
+            ModelError::Input(format!("the cache row at position {pos} has {what}"))
+        };
+        let int8 = |b: u8| (b as i8 != i8::MIN).then_some(b as i8);
+        let exponent = |lo: u8, hi: u8| {
+            let e = i16::from_le_bytes([lo, hi]);
+            (-MAX_CACHE_EXPONENT..=MAX_CACHE_EXPONENT)
+                .contains(&e)
+                .then_some(e)
+        };
+        for (pos, row) in bytes.chunks_exact(rb).enumerate() {
+            let mut rest = row;
+            let mut take = |n: usize| {
+                let (a, b) = rest.split_at(n);
+                rest = b;
+                a
+            };
+            for _ in 0..kv_heads {
+                for &b in take(c.hb * BLOCK) {
+                    c.k_q
+                        .push(int8(b).ok_or_else(|| bad("a key of -128", pos))?);
+                }
+                for s in take(c.hb * 3).chunks_exact(3) {
+                    let e =
+                        exponent(s[1], s[2]).ok_or_else(|| bad("a key scale out of range", pos))?;
+                    if s[0] < 128 {
+                        return Err(bad("a key scale below 128", pos));
+                    }
+                    c.k_s.push(BlockScale { m: s[0], e });
+                }
+                for &b in take(head_dim) {
+                    c.v_q
+                        .push(int8(b).ok_or_else(|| bad("a value of -128", pos))?);
+                }
+                let e = take(2);
+                c.v_e.push(
+                    exponent(e[0], e[1])
+                        .ok_or_else(|| bad("a value exponent out of range", pos))?,
+                );
+            }
+            c.len += 1;
+        }
+        Ok(c)
+    }
+
     /// Appends the keys and values of `rows` new positions (`rows × kv_heads · head_dim` each,
     /// RoPE already applied to the keys).
     pub fn append(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
@@ -156,6 +247,30 @@ impl LayerCache {
         }
         Ok(())
     }
+}
+
+/// Largest magnitude of a cache exponent (a key scale's or a value's) a revealed row may carry:
+/// finite f32 keys and values need about 160, and this keeps every `2^e` attention forms
+/// within f64.
+const MAX_CACHE_EXPONENT: i16 = 300;
+
+/// The Merkle leaf of a cache row at absolute `position` encoded as `encoding`.
+pub fn cache_row_leaf(position: usize, encoding: &[u8]) -> Commitment {
+    let mut h = Domain::KvRow.hasher();
+    h.update(&(position as u64).to_le_bytes());
+    h.update(encoding);
+    Commitment(*h.finalize().as_bytes())
+}
+
+/// The commitment to the cache rows of positions `first..` encoded in `bytes` (whole rows of
+/// `row_bytes`): their Merkle root with the shape, as for a product.
+pub fn cache_commitment(first: usize, row_bytes: usize, bytes: &[u8]) -> Commitment {
+    let leaves: Vec<Commitment> = bytes
+        .chunks_exact(row_bytes)
+        .enumerate()
+        .map(|(i, r)| cache_row_leaf(first + i, r))
+        .collect();
+    gemm_commitment(leaves.len(), row_bytes, &merkle_root(&leaves))
 }
 
 /// Sums a handful of block terms exactly: the rounded f32 and, when asked, the exact value.
@@ -222,9 +337,18 @@ pub fn attend(
     attend_committed(shape, cache, q, start, out, layer, None, None).map(|_| ())
 }
 
+/// The Merkle leaves of both attention products' committed rows (a stage keeps them to open a
+/// row later; a checker compares its own).
+#[derive(Clone, Debug, Default)]
+pub struct AttentionLeaves {
+    /// One per committed position of `Q · Kᵀ`.
+    pub scores: Vec<Commitment>,
+    /// One per committed position of `P' · V`.
+    pub context: Vec<Commitment>,
+}
+
 /// [`attend`], also committing to the exact values of both products for the positions from
-/// `commit_from` on, when given; `keep_context` receives the canonical encoding of each
-/// committed row of the context (a stage keeps them to reveal rows later).
+/// `commit_from` on, when given; `leaves` receives each committed row's leaves.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_committed(
     shape: AttentionShape,
@@ -234,7 +358,7 @@ pub fn attend_committed(
     out: &mut [f32],
     layer: usize,
     commit_from: Option<usize>,
-    mut keep_context: Option<&mut Vec<Vec<u8>>>,
+    leaves: Option<&mut AttentionLeaves>,
 ) -> Result<Option<AttentionCommitments>> {
     let (hd, heads) = (shape.head_dim, shape.heads);
     let rows = q.len() / (heads * hd);
@@ -297,16 +421,17 @@ pub fn attend_committed(
             c.extend_from_slice(&e.context);
         }
         sl.push(exact_row_leaf(start + t, &s));
-        let encoded = values_encoding(&c);
-        cl.push(leaf_of_encoding(start + t, c.len(), &encoded));
-        if let Some(k) = keep_context.as_deref_mut() {
-            k.push(encoded);
-        }
+        cl.push(exact_row_leaf(start + t, &c));
     }
-    Ok(Some(AttentionCommitments {
+    let commitments = AttentionCommitments {
         scores: gemm_commitment(sl.len(), heads, &merkle_root(&sl)),
         context: gemm_commitment(cl.len(), heads * hd, &merkle_root(&cl)),
-    }))
+    };
+    if let Some(l) = leaves {
+        l.scores = sl;
+        l.context = cl;
+    }
+    Ok(Some(commitments))
 }
 
 /// One query head at absolute position `pos`.

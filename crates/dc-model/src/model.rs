@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu, RopeTable};
 use dc_kernels::{Commitment, Domain, Gemm, QuantizedRows};
 
-use crate::attention::{attend_committed, AttentionShape, LayerCache};
+use crate::attention::{
+    attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
+};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::hf::{read_json, SafetensorsSource};
@@ -129,6 +131,16 @@ impl KvCache {
         self.caches.iter().map(LayerCache::bytes).sum()
     }
 
+    /// The cache of `layer` (an absolute layer index), if this cache serves it.
+    pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
+        self.caches.get(layer.checked_sub(self.layers.start)?)
+    }
+
+    /// The cache of `layer`, to replace it (a test-only liar swaps in a tampered one).
+    pub fn layer_mut(&mut self, layer: usize) -> Option<&mut LayerCache> {
+        self.caches.get_mut(layer.checked_sub(self.layers.start)?)
+    }
+
     /// The layers this cache serves.
     pub fn layers(&self) -> Range<usize> {
         self.layers.clone()
@@ -154,8 +166,8 @@ pub(crate) trait Products {
     /// `x · W (+ bias)` of the weight product at `point`, into `out`.
     fn linear(&mut self, point: Point, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()>;
     /// The attention context (`rows × q_width`) of rows at `start..` from their projections
-    /// (RoPE not yet applied).
-    fn attention(&mut self, q: Vec<f32>, k: Vec<f32>, v: &[f32], start: usize) -> Result<Vec<f32>>;
+    /// (RoPE applied), the keys and values going into the cache first.
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>>;
 }
 
 /// A block's parameters outside its products: the norms and the MLP's kind.
@@ -211,28 +223,16 @@ impl Products for Compute<'_> {
         Ok(())
     }
 
-    fn attention(
-        &mut self,
-        mut q: Vec<f32>,
-        mut k: Vec<f32>,
-        v: &[f32],
-        start: usize,
-    ) -> Result<Vec<f32>> {
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
         let cfg = &self.model.config;
-        if let Some(rope) = &self.model.rope {
-            let hd = cfg.head_dim;
-            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
-                for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
-                }
-            }
-            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
-                for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
-                }
-            }
+        self.cache.append(k, v)?;
+        if let Some((_, from)) = self.first {
+            let rows = q.len() / cfg.q_width();
+            let first = from.max(start);
+            let bytes = self.cache.encode_rows(first..start + rows);
+            let c = cache_commitment(first, self.cache.row_bytes(), &bytes);
+            self.record(Point::KvCache, Some(c));
         }
-        self.cache.append(&k, v)?;
         let mut ctx = vec![0f32; q.len()];
         let shape = AttentionShape {
             heads: cfg.num_heads,
@@ -240,28 +240,36 @@ impl Products for Compute<'_> {
             head_dim: cfg.head_dim,
             window: cfg.sliding_window,
         };
-        let mut kept_rows = self.keep.is_some().then(Vec::new);
+        let mut leaves = self.keep.is_some().then(AttentionLeaves::default);
         let (cache, index, from) = (&*self.cache, self.index, self.first.map(|f| f.1));
         let att = self.gemm.install(|| {
             attend_committed(
                 shape,
                 cache,
-                &q,
+                q,
                 start,
                 &mut ctx,
                 index,
                 from,
-                kept_rows.as_mut(),
+                leaves.as_mut(),
             )
         })?;
         self.record(Point::Scores, att.map(|a| a.scores));
         self.record(Point::Context, att.map(|a| a.context));
-        if let (Some(k), Some(rows)) = (self.keep.as_deref_mut(), kept_rows) {
+        if let (Some(k), Some(l)) = (self.keep.as_deref_mut(), leaves) {
+            let (heads, width) = (cfg.num_heads, cfg.q_width());
+            k.keep(
+                Point::Scores,
+                Kept::Leaves {
+                    cols: heads,
+                    leaves: l.scores,
+                },
+            );
             k.keep(
                 Point::Context,
-                Kept::Rows {
-                    cols: cfg.q_width(),
-                    rows,
+                Kept::Leaves {
+                    cols: width,
+                    leaves: l.context,
                 },
             );
         }
@@ -599,7 +607,20 @@ impl Model {
         products.linear(Point::Q, &qx, &mut q)?;
         products.linear(Point::K, &qx, &mut k)?;
         products.linear(Point::V, &qx, &mut v)?;
-        let ctx = products.attention(q, k, &v, start)?;
+        if let Some(rope) = &self.rope {
+            let hd = cfg.head_dim;
+            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+        }
+        let ctx = products.attention(&q, &k, &v, start)?;
         let qc = QuantizedRows::quantize(&ctx, rows, cfg.q_width(), &name("attention context"))?;
         let mut o = Vec::new();
         products.linear(Point::O, &qc, &mut o)?;

@@ -1,37 +1,48 @@
 //! Spot checks of a stage's products (docs/VERIFICATION.md): what a stage keeps of a hop so it
 //! can reveal any row of it afterwards, and the checker's side — Freivalds' test for every
-//! weight product, and the very glue code a stage runs for everything between the products.
+//! weight product, the row's attention recomputed on the revealed KV cache, and the very glue
+//! code a stage runs for everything between the products.
 //!
-//! A check needs no KV cache and no weights beyond `W · r` per product and the layer's norms:
-//! the stage reveals the row of each product at one position (tied to its signed commitments by
-//! Merkle paths) and the activations entering and leaving the layer. The checker re-derives
-//! every product's input from those, tests each weight product's row in O(k + n), and recomputes
-//! the layer's output. The attention products are taken as revealed (their inputs are other
-//! positions' keys and values); replay audits cover them.
+//! A check needs no weights beyond `W · r` per product and the layer's norms: the stage reveals
+//! the row of each product at one position (tied to its signed commitments by Merkle paths),
+//! the activations entering and leaving the layer, and the layer's cache rows (tied to the
+//! `KvCache` commitment of the hop that produced each). The checker re-derives every product's
+//! input from those, tests each weight product's row in O(k + n), recomputes the row's
+//! attention exactly (its inputs are the revealed cache rows and the row's own keys and
+//! values), and recomputes the layer's output.
+
+use std::sync::Arc;
 
 use dc_kernels::commit::{merkle_proof, merkle_root, row_leaf_at};
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_row, leaf_of_encoding, rounded, row_encoding, Opening};
+use dc_kernels::reveal::{decode_row, rounded, row_encoding, Opening};
 use dc_kernels::{Accumulators, Commitment, Domain, Exact, QuantizedRows};
 use dc_types::{HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
+use crate::attention::{
+    attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
+};
 use crate::error::{ModelError, Result};
-use crate::model::{Activations, Glue, Model, Products};
+use crate::model::{Activations, Glue, KvCache, Model, Products};
 use crate::weights::{add_bias, Mlp, Norm};
 
 /// A product a stage kept.
 pub(crate) enum Kept {
     /// A weight product's exact accumulators.
     Gemm(Accumulators),
-    /// Rows already in canonical encoding (the attention context), one per position.
-    Rows { cols: usize, rows: Vec<Vec<u8>> },
+    /// Only the rows' Merkle leaves (the attention products: a checker recomputes their rows,
+    /// so a reveal carries just the root and the path).
+    Leaves {
+        cols: usize,
+        leaves: Vec<Commitment>,
+    },
 }
 
 impl Kept {
     fn bytes(&self) -> usize {
         match self {
             Kept::Gemm(a) => a.slots.len() * 16 + a.wide.len() * 64,
-            Kept::Rows { rows, .. } => rows.iter().map(Vec::len).sum(),
+            Kept::Leaves { leaves, .. } => leaves.len() * 32,
         }
     }
 
@@ -46,13 +57,11 @@ impl Kept {
                     (0..acc.rows).map(|r| row_leaf_at(acc, r, first)).collect();
                 (acc.cols, leaves, row_encoding(acc, index))
             }
-            Kept::Rows { cols, rows } => {
-                let leaves: Vec<Commitment> = rows
-                    .iter()
-                    .enumerate()
-                    .map(|(r, e)| leaf_of_encoding(first + r, *cols, e))
-                    .collect();
-                (*cols, leaves, rows.get(index)?.clone())
+            Kept::Leaves { cols, leaves } => {
+                if index >= leaves.len() {
+                    return None;
+                }
+                (*cols, leaves.clone(), Vec::new())
             }
         };
         Some(RevealedRow {
@@ -62,6 +71,52 @@ impl Kept {
             root: merkle_root(&leaves),
             path: merkle_proof(&leaves, index),
         })
+    }
+}
+
+/// The KV cache rows a stage produced in a generation, per layer, in canonical encoding: what
+/// it reveals so a checker can recompute attention. Kept apart from the live cache, which a
+/// running hop holds while a reveal of the previous hop may be asked for.
+#[derive(Clone, Debug, Default)]
+pub struct CacheLog {
+    first_layer: usize,
+    /// Per layer, the rows of positions `0..` concatenated (shared with reveals in flight: a
+    /// clone of the log costs no copy, and an append copies only if a reveal still holds it).
+    rows: Vec<Arc<Vec<u8>>>,
+    row_bytes: usize,
+    len: usize,
+}
+
+impl CacheLog {
+    /// Appends what `cache` holds beyond the positions logged so far.
+    pub fn record(&mut self, cache: &KvCache) {
+        let layers = cache.layers();
+        if self.rows.is_empty() {
+            self.first_layer = layers.start;
+            self.rows = layers.clone().map(|_| Arc::new(Vec::new())).collect();
+        }
+        let end = cache.len();
+        for (l, out) in layers.zip(self.rows.iter_mut()) {
+            if let Some(c) = cache.layer(l) {
+                self.row_bytes = c.row_bytes();
+                let out = Arc::make_mut(out);
+                for pos in self.len..end {
+                    c.encode_row(pos, out);
+                }
+            }
+        }
+        self.len = self.len.max(end);
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.rows.iter().map(|r| r.len()).sum()
+    }
+
+    /// The rows of `layer` at positions `0..end`, if logged.
+    pub fn rows(&self, layer: usize, end: usize) -> Option<&[u8]> {
+        let rows = self.rows.get(layer.checked_sub(self.first_layer)?)?;
+        rows.get(..end.checked_mul(self.row_bytes)?)
     }
 }
 
@@ -123,13 +178,14 @@ impl KeptHop {
             + self.output.as_ref().map_or(0, acts)
     }
 
-    /// Reveals `layer` at `position`: the activations entering and leaving the layer and the
-    /// row of each product at that position (the attention scores are not revealed: a check
-    /// does not use them).
+    /// Reveals `layer` at `position`: the activations entering and leaving the layer, the row
+    /// of each product at that position (the attention products' by root and path only), and
+    /// the layer's cache rows up to the end of the hop from `log`.
     pub fn reveal(
         &self,
         layer: usize,
         position: usize,
+        log: &CacheLog,
     ) -> std::result::Result<LayerReveal, String> {
         let i = self
             .layers
@@ -149,15 +205,19 @@ impl KeptHop {
         let rows = l
             .products
             .iter()
-            .filter(|(p, _)| *p != Point::Scores)
             .map(|(p, k)| k.reveal(*p, first, index).ok_or("a kept product is short"))
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        let end = first + l.input.rows();
+        let cache = log
+            .rows(layer, end)
+            .ok_or_else(|| format!("the cache rows of layer {layer} up to {end} are not kept"))?;
         Ok(LayerReveal {
             layer: layer as u32,
             position: position as u32,
             input: wire(&l.input),
             next: wire(next),
             rows,
+            cache: cache.to_vec(),
         })
     }
 }
@@ -214,19 +274,22 @@ impl LayerChecker {
         self.layer
     }
 
-    /// Checks what a stage revealed of this layer in a hop of `rows` positions whose signed
-    /// trace is `trace`: every revealed row opens its commitment, every weight product passes
-    /// Freivalds' test on the input the glue derives, and the layer's output at that position
-    /// is what those products give. `Err` says what failed.
+    /// Checks what a stage revealed of this layer in the last of `hops` — every hop the stage
+    /// served in the generation, in order from position 0, each as its signed trace and its
+    /// number of rows: every revealed row opens its commitment, the cache rows are the ones
+    /// each hop committed, every weight product passes Freivalds' test on the input the glue
+    /// derives, the row's attention recomputed on those cache rows opens both attention
+    /// commitments, and the layer's output at that position is what all of it gives. `Err`
+    /// says what failed.
     pub fn check(
         &self,
         model: &Model,
-        trace: &HopTrace,
-        rows: usize,
+        hops: &[(&HopTrace, usize)],
         reveal: &LayerReveal,
     ) -> std::result::Result<(), String> {
         let cfg = &model.config;
         let (l, pos) = (self.layer as u32, reveal.position as usize);
+        let &(trace, rows) = hops.last().ok_or("no hop to check")?;
         if reveal.layer != l {
             return Err(format!("layer {} revealed for layer {l}", reveal.layer));
         }
@@ -249,13 +312,17 @@ impl LayerChecker {
                 "layer {l}: the revealed output is not the committed one"
             ));
         }
-        // Every product of the layer but the scores, once, opened against its commitment.
+        let (before, cache_row) = self.cache_rows(cfg, hops, reveal)?;
+        // Every product of the layer, once, opened against its commitment; the attention
+        // products' rows are recomputed, so only their openings are taken here.
         let mut values = Vec::new();
+        let mut attention = Vec::new();
         for e in trace.entries.iter().filter(|e| e.layer == l) {
-            if matches!(e.point, Point::Input | Point::Output | Point::Scores) {
+            if matches!(e.point, Point::Input | Point::Output | Point::KvCache) {
                 continue;
             }
             let cols = match e.point {
+                Point::Scores => cfg.num_heads,
                 Point::Context => cfg.q_width(),
                 p => self.key(p).map(|(k, _)| k.cols()).ok_or_else(|| {
                     format!("layer {l}: the trace commits a {p:?} product this layer lacks")
@@ -278,6 +345,10 @@ impl LayerChecker {
                 root: &row.root,
                 path: &row.path,
             };
+            if matches!(e.point, Point::Scores | Point::Context) {
+                attention.push((e.point, opening));
+                continue;
+            }
             if row.cols as usize != cols || !opening.holds() {
                 return Err(format!(
                     "layer {l}: the {:?} row at position {pos} does not open its commitment",
@@ -288,7 +359,7 @@ impl LayerChecker {
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             values.push((e.point, decoded));
         }
-        if reveal.rows.len() != values.len() {
+        if reveal.rows.len() != values.len() + attention.len() || attention.len() != 2 {
             return Err(format!(
                 "layer {l}: rows revealed that the trace does not commit"
             ));
@@ -306,6 +377,15 @@ impl LayerChecker {
         let mut revealed = Revealed {
             checker: self,
             values,
+            cache: before,
+            cache_row,
+            shape: AttentionShape {
+                heads: cfg.num_heads,
+                kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                window: cfg.sliding_window,
+            },
+            attention,
         };
         let y = model
             .block(&glue, self.layer, x, &mut revealed)
@@ -321,6 +401,49 @@ impl LayerChecker {
             ));
         }
         Ok(())
+    }
+
+    /// Checks the revealed cache rows against every hop's `KvCache` commitment and returns the
+    /// cache of the positions before the checked one with the checked position's row.
+    fn cache_rows<'r>(
+        &self,
+        cfg: &crate::ModelConfig,
+        hops: &[(&HopTrace, usize)],
+        reveal: &'r LayerReveal,
+    ) -> std::result::Result<(LayerCache, &'r [u8]), String> {
+        let (l, pos) = (self.layer as u32, reveal.position as usize);
+        let rb = LayerCache::new(cfg.num_kv_heads, cfg.head_dim).row_bytes();
+        let mut end = 0;
+        for &(t, n) in hops {
+            if t.from != end {
+                return Err(format!(
+                    "the hops do not cover the generation: one starts at {} after {end}",
+                    t.from
+                ));
+            }
+            end += n;
+        }
+        if reveal.cache.len() != end * rb {
+            return Err(format!(
+                "layer {l}: {} bytes of cache rows revealed, not positions 0..{end}",
+                reveal.cache.len()
+            ));
+        }
+        for &(t, n) in hops {
+            let bytes = &reveal.cache[t.from * rb..(t.from + n) * rb];
+            if t.get(l, Point::KvCache) != Some(cache_commitment(t.from, rb, bytes)) {
+                return Err(format!(
+                    "layer {l}: the revealed cache rows of positions {}..{} are not the \
+                     committed ones",
+                    t.from,
+                    t.from + n
+                ));
+            }
+        }
+        let before =
+            LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, &reveal.cache[..pos * rb])
+                .map_err(|e| format!("layer {l}: {e}"))?;
+        Ok((before, &reveal.cache[pos * rb..(pos + 1) * rb]))
     }
 
     fn key(&self, point: Point) -> Option<(&FreivaldsKey, Option<&[f32]>)> {
@@ -352,10 +475,18 @@ fn hop_rows(
     })
 }
 
-/// The checker's products: revealed rows, each weight product tested by Freivalds.
+/// The checker's products: revealed rows, each weight product tested by Freivalds; the
+/// attention recomputed on the revealed cache.
 struct Revealed<'a> {
     checker: &'a LayerChecker,
     values: Vec<(Point, Vec<Exact>)>,
+    /// The revealed cache of the positions before the checked one.
+    cache: LayerCache,
+    /// The revealed cache row of the checked position.
+    cache_row: &'a [u8],
+    shape: AttentionShape,
+    /// The openings of both attention products' rows (their leaves are recomputed).
+    attention: Vec<(Point, Opening<'a>)>,
 }
 
 impl Revealed<'_> {
@@ -401,13 +532,40 @@ impl Products for Revealed<'_> {
         Ok(())
     }
 
-    fn attention(
-        &mut self,
-        _q: Vec<f32>,
-        _k: Vec<f32>,
-        _v: &[f32],
-        _start: usize,
-    ) -> Result<Vec<f32>> {
-        self.rounded(Point::Context)
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
+        let layer = self.checker.layer;
+        self.cache.append(k, v)?;
+        let mut mine = Vec::with_capacity(self.cache_row.len());
+        self.cache.encode_row(start, &mut mine);
+        if mine != self.cache_row {
+            return Err(ModelError::Input(format!(
+                "layer {layer}: the cache row at position {start} is not the row's keys and values"
+            )));
+        }
+        let mut ctx = vec![0f32; q.len()];
+        let mut leaves = AttentionLeaves::default();
+        attend_committed(
+            self.shape,
+            &self.cache,
+            q,
+            start,
+            &mut ctx,
+            layer,
+            Some(start),
+            Some(&mut leaves),
+        )?;
+        for (point, opening) in &self.attention {
+            let leaf = match point {
+                Point::Scores => &leaves.scores,
+                _ => &leaves.context,
+            };
+            if leaf.len() != 1 || !opening.holds_for(&leaf[0]) {
+                return Err(ModelError::Input(format!(
+                    "layer {layer}: the {point:?} row at position {start} recomputed from the \
+                     revealed cache is not the committed one"
+                )));
+            }
+        }
+        Ok(ctx)
     }
 }

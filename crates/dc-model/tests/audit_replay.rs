@@ -62,9 +62,9 @@ fn replayed_traces_equal_incremental_ones() {
                 "{name}: step {s} output"
             );
         }
-        // The trace names one entry per product: input, q, k, v, scores, context, o, MLP; then
-        // the output.
-        let per_layer = if name == "gpt2" { 9 } else { 10 };
+        // The trace names one entry per product: input, q, k, v, the cache rows, scores,
+        // context, o, MLP; then the output.
+        let per_layer = if name == "gpt2" { 10 } else { 11 };
         assert_eq!(traces[0].entries.len(), per_layer * 2 + 1, "{name}");
         // A different input changes the trace from the first entry on.
         let mut other = inputs[3].clone();

@@ -1,7 +1,8 @@
 //! Spot checks: a stage that keeps a hop can reveal any (layer, position) of it, and a checker
-//! holding only `W · r`, the norms and the signed trace accepts every honest reveal and refuses
-//! every lie — a wrong product row (even one the stage committed to consistently), a wrong
-//! output, a reveal that does not open the commitments.
+//! holding only `W · r`, the norms and the signed traces accepts every honest reveal and
+//! refuses every lie — a wrong product row (even one the stage committed to consistently), an
+//! attention computed on other keys or values than the committed cache (with everything after
+//! it consistent), a wrong output, a reveal that does not open the commitments.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -11,18 +12,37 @@ use common::*;
 use dc_kernels::commit::gemm_commitment;
 use dc_kernels::reveal::{decode_row, leaf_of_encoding, values_encoding};
 use dc_kernels::{Exact, Gemm, Kernel};
+use dc_model::attention::LayerCache;
 use dc_model::trace::{HopTrace, Point};
-use dc_model::{Activations, KeptHop, KvCache, LayerChecker, LoadOptions, Model};
+use dc_model::{Activations, CacheLog, KeptHop, KvCache, LayerChecker, LoadOptions, Model};
 use dc_types::LayerReveal;
 
-/// A stage over `stage` runs hops of these lengths, keeping each; returns (trace, rows, kept).
+type Hop = (HopTrace, usize, KeptHop);
+
+/// A stage over `stage` runs hops of these lengths, keeping each; returns (trace, rows, kept)
+/// per hop and the log of its cache rows.
 fn stage_hops(
     model: &Model,
     gemm: &Gemm,
     stage: std::ops::Range<usize>,
     ids: &[u32],
     lens: &[usize],
-) -> Vec<(HopTrace, usize, KeptHop)> {
+) -> (Vec<Hop>, CacheLog) {
+    stage_hops_tampered(model, gemm, stage, ids, lens, None)
+}
+
+/// [`stage_hops`], the last hop computed on a cache whose value at `(layer, position, byte)`
+/// is changed first (and restored after): a stage lying only in its attention, consistently
+/// from there on, that logs and commits its cache rows honestly.
+fn stage_hops_tampered(
+    model: &Model,
+    gemm: &Gemm,
+    stage: std::ops::Range<usize>,
+    ids: &[u32],
+    lens: &[usize],
+    tamper: Option<(usize, usize, usize)>,
+) -> (Vec<Hop>, CacheLog) {
+    let mut log = CacheLog::default();
     let mut head_cache = KvCache::new(&model.config, 0..stage.start);
     let mut cache = KvCache::new(&model.config, stage.clone());
     let mut plain = KvCache::new(&model.config, stage);
@@ -33,21 +53,55 @@ fn stage_hops(
         if !head_cache.layers().is_empty() {
             x = model.run_layers(gemm, x, &mut head_cache).unwrap();
         }
+        let last = pos + len == lens.iter().sum::<usize>();
+        let honest = match tamper.filter(|_| last) {
+            Some((layer, at, byte)) => {
+                let c = cache.layer(layer).unwrap();
+                let (kvh, hd) = (model.config.num_kv_heads, model.config.head_dim);
+                let mut bytes = c.encode_rows(0..c.len());
+                let b = &mut bytes[at * c.row_bytes() + byte];
+                *b = if (*b as i8) < 100 { *b + 20 } else { *b - 20 };
+                let tampered = LayerCache::from_encoded(kvh, hd, &bytes).unwrap();
+                Some((
+                    layer,
+                    std::mem::replace(cache.layer_mut(layer).unwrap(), tampered),
+                ))
+            }
+            None => None,
+        };
         let mut t = HopTrace::from_position(pos);
         let (y, kept) = model
             .run_layers_kept(gemm, x.clone(), &mut cache, &mut t)
             .unwrap();
+        if let Some((layer, mut c)) = honest {
+            // The honest cache again, with the rows this hop added.
+            let new = cache.layer(layer).unwrap();
+            let rows = new.encode_rows(pos..new.len());
+            let (kvh, hd) = (model.config.num_kv_heads, model.config.head_dim);
+            let mut all = c.encode_rows(0..c.len());
+            all.extend_from_slice(&rows);
+            c = LayerCache::from_encoded(kvh, hd, &all).unwrap();
+            *cache.layer_mut(layer).unwrap() = c;
+        }
+        log.record(&cache);
         // Keeping changes nothing the stage commits or sends.
         let mut t2 = HopTrace::from_position(pos);
         let y2 = model
             .run_layers_traced(gemm, x, &mut plain, Some(&mut t2))
             .unwrap();
-        assert_eq!(t.entries, t2.entries);
-        assert_eq!(y, y2);
+        if tamper.is_none() {
+            assert_eq!(t.entries, t2.entries);
+            assert_eq!(y, y2);
+        }
         out.push((t, len, kept));
         pos += len;
     }
-    out
+    (out, log)
+}
+
+/// The checker's view of the hops up to and including hop `k`.
+fn views(hops: &[Hop], k: usize) -> Vec<(&HopTrace, usize)> {
+    hops[..=k].iter().map(|(t, n, _)| (t, *n)).collect()
 }
 
 fn checkers(model: &Model, layers: std::ops::Range<usize>, secret: u8) -> Vec<LayerChecker> {
@@ -64,18 +118,30 @@ fn honest_reveals_pass_for_every_layer_and_row() {
         let ids = expected_logits(name).pop().unwrap().0;
         let n = model.config.num_layers;
         let stage = 1..n;
-        let hops = stage_hops(&model, &gemm, stage.clone(), &ids, &[17, 9, 1, 1, 1]);
+        let (hops, log) = stage_hops(&model, &gemm, stage.clone(), &ids, &[17, 9, 1, 1, 1]);
         for secret in [1u8, 2] {
             let checkers = checkers(&model, stage.clone(), secret);
-            for (trace, rows, kept) in &hops {
+            for (k, (trace, rows, kept)) in hops.iter().enumerate() {
                 for c in &checkers {
                     for index in [0, rows / 2, rows - 1] {
-                        let reveal = kept.reveal(c.layer(), trace.from + index).unwrap();
-                        c.check(&model, trace, *rows, &reveal).unwrap_or_else(|e| {
-                            panic!("{name}: layer {} row {index}: {e}", c.layer())
-                        });
-                        // The attention scores are never revealed (a check does not use them).
-                        assert!(reveal.rows.iter().all(|r| r.point != Point::Scores));
+                        let reveal = kept.reveal(c.layer(), trace.from + index, &log).unwrap();
+                        c.check(&model, &views(&hops, k), &reveal)
+                            .unwrap_or_else(|e| {
+                                panic!("{name}: layer {} row {index}: {e}", c.layer())
+                            });
+                        // The attention products' rows travel without values (the checker
+                        // recomputes them); the cache up to the end of the hop does.
+                        assert!(reveal
+                            .rows
+                            .iter()
+                            .filter(|r| matches!(r.point, Point::Scores | Point::Context))
+                            .all(|r| r.encoding.is_empty()));
+                        assert_eq!(
+                            reveal.cache.len(),
+                            (trace.from + rows)
+                                * LayerCache::new(model.config.num_kv_heads, model.config.head_dim)
+                                    .row_bytes()
+                        );
                     }
                 }
             }
@@ -83,13 +149,19 @@ fn honest_reveals_pass_for_every_layer_and_row() {
         // What is not in the hop cannot be revealed.
         let (trace, rows, kept) = &hops[1];
         assert!(
-            kept.reveal(0, trace.from).is_err(),
+            kept.reveal(0, trace.from, &log).is_err(),
             "{name}: layer outside the stage"
         );
         assert!(
-            kept.reveal(1, trace.from + rows).is_err(),
+            kept.reveal(1, trace.from + rows, &log).is_err(),
             "{name}: row outside the hop"
         );
+        // Without the earlier hops' commitments, or with a hop missing, the cache cannot be
+        // tied to them.
+        let c = &checkers(&model, stage.clone(), 1)[0];
+        let reveal = kept.reveal(c.layer(), trace.from, &log).unwrap();
+        let err = c.check(&model, &views(&hops, 1)[1..], &reveal).unwrap_err();
+        assert!(err.contains("do not cover"), "{name}: {err}");
     }
 }
 
@@ -115,41 +187,55 @@ fn lies_in_a_reveal_are_refused() {
         let gemm = Gemm::new(Kernel::best(), 1).unwrap();
         let ids = expected_logits(name).pop().unwrap().0;
         let stage = 0..model.config.num_layers;
-        let hops = stage_hops(&model, &gemm, stage.clone(), &ids, &[5, 1]);
-        let (trace, rows, kept) = &hops[1];
+        let (hops, log) = stage_hops(&model, &gemm, stage.clone(), &ids, &[5, 1]);
+        let (trace, _, kept) = &hops[1];
+        let view = views(&hops, 1);
         let c = &checkers(&model, stage.clone(), 7)[stage.len() - 1];
         let pos = trace.from;
-        let honest = kept.reveal(c.layer(), pos).unwrap();
-        c.check(&model, trace, *rows, &honest).unwrap();
+        let honest = kept.reveal(c.layer(), pos, &log).unwrap();
+        c.check(&model, &view, &honest).unwrap();
+        fn with_trace<'a>(
+            view: &[(&'a HopTrace, usize)],
+            t: &'a HopTrace,
+        ) -> Vec<(&'a HopTrace, usize)> {
+            let mut v = view.to_vec();
+            v[1].0 = t;
+            v
+        }
         let points: Vec<Point> = honest.rows.iter().map(|r| r.point).collect();
         for point in points {
-            // A consistent lie about one product: committed, opened, and wrong in one value
-            // (a weight product's by one unit in the last place; the context's by its sign, as
-            // a change its rounding hides would be harmless).
             let (mut t, mut r) = (trace.clone(), honest.clone());
+            if matches!(point, Point::Scores | Point::Context) {
+                // An attention row other than the recomputed one, committed consistently.
+                let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
+                row.root = leaf_of_encoding(pos, 1, &[7; 12]);
+                let cols = row.cols as usize;
+                let root = row.root;
+                set(&mut t, c.layer(), point, gemm_commitment(1, cols, &root));
+                let err = c.check(&model, &with_trace(&view, &t), &r).unwrap_err();
+                assert!(
+                    err.contains("recomputed from the revealed cache"),
+                    "{name} {point:?}: {err}"
+                );
+                continue;
+            }
+            // A consistent lie about one weight product: committed, opened, and wrong in one
+            // value by two units in the last place.
             let row = r.rows.iter().find(|x| x.point == point).unwrap();
             let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
             let i = values.iter().position(|v| !v.is_zero()).unwrap();
             values[i] = match values[i] {
-                Exact::Small { mant, exp } if point == Point::Context => {
-                    Exact::from_i64(-mant, exp)
-                }
                 Exact::Small { mant, exp } => Exact::from_i64(mant.wrapping_add(2), exp),
                 ref w => w.clone(),
             };
             recommit(&mut t, &mut r, point, &values);
-            let err = c.check(&model, &t, *rows, &r).unwrap_err();
-            let want = if point == Point::Context {
-                "O row"
-            } else {
-                "Freivalds"
-            };
-            assert!(err.contains(want), "{name} {point:?}: {err}");
+            let err = c.check(&model, &with_trace(&view, &t), &r).unwrap_err();
+            assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
             // The honest row against a commitment it does not open.
             let mut r = honest.clone();
             let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
             row.encoding[0] ^= 1;
-            let err = c.check(&model, trace, *rows, &r).unwrap_err();
+            let err = c.check(&model, &view, &r).unwrap_err();
             assert!(err.contains("does not open"), "{name} {point:?}: {err}");
         }
         // A flipped bit of the output, committed consistently.
@@ -166,23 +252,82 @@ fn lies_in_a_reveal_are_refused() {
             .find(|e| e.point == Point::Output)
             .unwrap()
             .commitment = next.commitment();
-        let err = c.check(&model, &t, *rows, &r).unwrap_err();
+        let err = c.check(&model, &with_trace(&view, &t), &r).unwrap_err();
         assert!(
             err.contains("not what the revealed products give"),
             "{name}: {err}"
         );
+        // Revealed cache rows other than the committed ones, of an earlier hop and of this one.
+        for at in [2, pos] {
+            let mut r = honest.clone();
+            let rb = r.cache.len() / (pos + 1);
+            r.cache[at * rb + 1] ^= 1;
+            let err = c.check(&model, &view, &r).unwrap_err();
+            assert!(err.contains("not the committed ones"), "{name} {at}: {err}");
+        }
+        // Too few cache rows.
+        let mut r = honest.clone();
+        r.cache.pop();
+        assert!(c.check(&model, &view, &r).is_err());
         // Revealed activations that are not the committed ones; a missing or repeated row.
         let mut r = honest.clone();
         r.input.data[0] += 1.0;
-        assert!(c.check(&model, trace, *rows, &r).is_err());
+        assert!(c.check(&model, &view, &r).is_err());
         let mut r = honest.clone();
         r.rows.pop();
-        assert!(c.check(&model, trace, *rows, &r).is_err());
+        assert!(c.check(&model, &view, &r).is_err());
         let mut r = honest.clone();
         r.rows.push(r.rows[0].clone());
-        assert!(c.check(&model, trace, *rows, &r).is_err());
+        assert!(c.check(&model, &view, &r).is_err());
         // A reveal of another layer or position than the checker's.
-        let other = kept.reveal(c.layer() - 1, pos).unwrap();
-        assert!(c.check(&model, trace, *rows, &other).is_err());
+        let other = kept.reveal(c.layer() - 1, pos, &log).unwrap();
+        assert!(c.check(&model, &view, &other).is_err());
+    }
+}
+
+/// Sets the commitment of `(layer, point)` in `trace`.
+fn set(trace: &mut HopTrace, layer: usize, point: Point, c: dc_kernels::Commitment) {
+    let e = trace
+        .entries
+        .iter_mut()
+        .find(|e| e.layer == layer as u32 && e.point == point)
+        .unwrap();
+    e.commitment = c;
+}
+
+#[test]
+fn an_attention_lie_kept_consistent_is_caught() {
+    // The stage computes one hop's attention on a key or a value other than the one it
+    // committed (and logged) for an earlier position, and everything after the attention
+    // honestly from there: every weight product passes Freivalds' test, every commitment
+    // opens, and only the recomputed attention shows the lie.
+    for name in TINY {
+        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
+        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
+        let ids = expected_logits(name).pop().unwrap().0;
+        let stage = 0..model.config.num_layers;
+        let layer = stage.end - 1;
+        let c = &checkers(&model, stage.clone(), 3)[layer];
+        let shape = LayerCache::new(model.config.num_kv_heads, model.config.head_dim);
+        let hb = model.config.head_dim.div_ceil(32);
+        // The first key value of head 0, then its first value value.
+        for (what, byte) in [("key", 0), ("value", hb * 35)] {
+            assert!(byte < shape.row_bytes());
+            let (hops, log) = stage_hops_tampered(
+                &model,
+                &gemm,
+                stage.clone(),
+                &ids,
+                &[5, 1],
+                Some((layer, 3, byte)),
+            );
+            let (trace, _, kept) = &hops[1];
+            let reveal = kept.reveal(layer, trace.from, &log).unwrap();
+            let err = c.check(&model, &views(&hops, 1), &reveal).unwrap_err();
+            assert!(
+                err.contains("recomputed from the revealed cache"),
+                "{name} {what}: {err}"
+            );
+        }
     }
 }

@@ -7,11 +7,16 @@
 //! - `other-weights`: the products are computed on other values than the committed input, as a
 //!   stage with other weights would.
 //! - `stale`: returns the output of an earlier hop of the same generation.
+//! - `attention`: the last layer's attention reads a key and a value of the previous position
+//!   other than the ones the stage committed (and keeps in its cache), and everything after it
+//!   is computed honestly from there: every weight product is consistent with its input, so
+//!   only a check that recomputes the attention sees the lie.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use dc_kernels::{Commitment, Domain};
+use dc_model::attention::LayerCache;
 use dc_model::{Activations, KeptHop, KvCache, Model};
 use dc_types::{GenerationId, HopTrace, Point};
 
@@ -28,6 +33,8 @@ pub enum FaultKind {
     OtherWeights,
     /// Replay an earlier output.
     Stale,
+    /// Attend over a cache other than the committed one.
+    Attention,
 }
 
 /// A configured fault.
@@ -49,9 +56,11 @@ impl std::str::FromStr for Fault {
             "skip-layer" => FaultKind::SkipLayer,
             "other-weights" => FaultKind::OtherWeights,
             "stale" => FaultKind::Stale,
+            "attention" => FaultKind::Attention,
             _ => {
                 return Err(format!(
-                    "fault {k:?}: expected flip-bit, skip-layer, other-weights or stale"
+                    "fault {k:?}: expected flip-bit, skip-layer, other-weights, stale or \
+                     attention"
                 ))
             }
         };
@@ -174,6 +183,16 @@ pub fn run(
                 }
                 y
             }
+            FaultKind::Attention => {
+                let layer = layers.end - 1;
+                let honest = tamper(model, cache, layer);
+                let (y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
+                kept = k;
+                if let Some(honest) = honest {
+                    restore(model, cache, layer, honest)?;
+                }
+                y
+            }
             FaultKind::Stale => {
                 let (honest, k) = model.run_layers_kept(gemm, x, cache, trace)?;
                 kept = k;
@@ -201,4 +220,41 @@ pub fn run(
         .unwrap_or_else(|e| e.into_inner())
         .insert(g, y.clone());
     Ok((y, kept))
+}
+
+/// Swaps `layer`'s cache for one whose first key and first value of the last position held
+/// are changed; returns the honest one (none when the cache is empty: nothing to lie about).
+fn tamper(model: &Model, cache: &mut KvCache, layer: usize) -> Option<LayerCache> {
+    let c = cache.layer(layer)?;
+    let n = c.len();
+    if n == 0 {
+        return None;
+    }
+    let (rb, hb) = (c.row_bytes(), model.config.head_dim.div_ceil(32));
+    let mut bytes = c.encode_rows(0..n);
+    for offset in [0, hb * 35] {
+        let b = &mut bytes[(n - 1) * rb + offset];
+        *b = if (*b as i8) < 100 { *b + 20 } else { *b - 20 };
+    }
+    let cfg = &model.config;
+    let lying = LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, &bytes).ok()?;
+    Some(std::mem::replace(cache.layer_mut(layer)?, lying))
+}
+
+/// Puts the honest cache of `layer` back, with the rows the hop added (honest: they come from
+/// the layer's input, which the lie did not touch).
+fn restore(
+    model: &Model,
+    cache: &mut KvCache,
+    layer: usize,
+    honest: LayerCache,
+) -> dc_model::Result<()> {
+    let Some(c) = cache.layer_mut(layer) else {
+        return Ok(());
+    };
+    let mut bytes = honest.encode_rows(0..honest.len());
+    bytes.extend_from_slice(&c.encode_rows(honest.len()..c.len()));
+    let cfg = &model.config;
+    *c = LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, &bytes)?;
+    Ok(())
 }

@@ -82,10 +82,9 @@ pub async fn spot_check(
     picks: Vec<RevealPick>,
     session: Arc<tokio::sync::Mutex<AuditSession>>,
 ) -> bool {
-    let (Some(trace), Some(input)) = (log.traces.last().cloned(), log.inputs.last()) else {
+    let Some(rows) = log.inputs.last().map(|x| x.rows()) else {
         return false;
     };
-    let rows = input.rows();
     let request = StageRequest::Reveal(RevealRequest {
         generation: g,
         step,
@@ -119,6 +118,7 @@ pub async fn spot_check(
         .iter()
         .map(|r| {
             (r.input.data.len() + r.next.data.len()) * 4
+                + r.cache.len()
                 + r.rows
                     .iter()
                     .map(|x| x.encoding.len() + 32 * (x.path.len() + 1))
@@ -135,7 +135,16 @@ pub async fn spot_check(
         }
         (_, None) => return false,
     };
+    // Every hop of the stage in this generation: the check ties the revealed cache rows to
+    // the commitments of the hops that produced them.
+    let traces: Vec<_> = log
+        .traces
+        .iter()
+        .cloned()
+        .zip(log.inputs.iter().map(|x| x.rows()))
+        .collect();
     let checked = tokio::task::spawn_blocking(move || {
+        let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
         for (pick, reveal) in picks.iter().zip(&reveals) {
             if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
                 return Err(format!(
@@ -146,7 +155,7 @@ pub async fn spot_check(
             let c = checkers
                 .get(&(pick.layer as usize))
                 .ok_or("no checker for a picked layer")?;
-            c.check(&model, &trace, rows, reveal)?;
+            c.check(&model, &hops, reveal)?;
         }
         Ok(())
     })

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::VecDeque;
 
-use dc_model::{Activations, KeptHop, KvCache};
+use dc_model::{Activations, CacheLog, KeptHop, KvCache};
 use dc_types::{
     AuditRequest, GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, HopTrace,
     LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations, MAX_REVEAL_PICKS,
@@ -35,6 +35,8 @@ struct Entry {
     last_used: Instant,
     /// The last hops, by step, kept to reveal rows of them.
     kept: VecDeque<(u64, Arc<KeptHop>)>,
+    /// The cache rows of the generation, for reveals (only when hops are kept).
+    log: CacheLog,
 }
 
 /// The KV caches this daemon holds, one per generation, bounded in number and dropped when
@@ -59,7 +61,7 @@ impl StageCaches {
     pub fn bytes(&self) -> usize {
         self.entries
             .values()
-            .filter_map(|e| e.cache.as_ref().map(KvCache::bytes))
+            .filter_map(|e| e.cache.as_ref().map(|c| c.bytes() + e.log.bytes()))
             .sum()
     }
 
@@ -107,6 +109,7 @@ impl StageCaches {
                     layers,
                     last_used: Instant::now(),
                     kept: VecDeque::new(),
+                    log: CacheLog::default(),
                 },
             );
             return Ok(KvCache::new(cfg, layers.as_range()));
@@ -137,9 +140,11 @@ impl StageCaches {
     }
 
     /// Keeps hop `step` of `g` for reveals, dropping its older hops beyond [`KEPT_HOPS`]; not
-    /// kept when it would take the daemon past [`KEPT_BYTES`].
-    fn keep(&mut self, g: &GenerationId, step: u64, hop: KeptHop) {
+    /// kept when it would take the daemon past [`KEPT_BYTES`]. The cache rows the hop added
+    /// are logged either way (they are revealed for later hops too).
+    fn keep(&mut self, g: &GenerationId, step: u64, hop: KeptHop, cache: &KvCache) {
         if let Some(e) = self.entries.get_mut(g) {
+            e.log.record(cache);
             while e.kept.len() >= KEPT_HOPS {
                 e.kept.pop_front();
             }
@@ -156,13 +161,15 @@ impl StageCaches {
         }
     }
 
-    /// A kept hop.
-    fn kept(&self, g: &GenerationId, step: u64) -> Option<Arc<KeptHop>> {
+    /// A kept hop, with the generation's cache rows (shared, not copied).
+    fn kept(&self, g: &GenerationId, step: u64) -> Option<(Arc<KeptHop>, CacheLog)> {
         let e = self.entries.get(g)?;
-        e.kept
+        let hop = e
+            .kept
             .iter()
             .find(|(s, _)| *s == step)
-            .map(|(_, k)| k.clone())
+            .map(|(_, k)| k.clone())?;
+        Some((hop, e.log.clone()))
     }
 
     /// Returns a cache after a hop (successful or not: a failed hop leaves it unchanged only if
@@ -338,10 +345,10 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
         Ok((y, kept, trace)) => {
             {
                 let mut caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
-                caches.put(req.generation, Some(cache));
                 if keep {
-                    caches.keep(&req.generation, req.step, kept);
+                    caches.keep(&req.generation, req.step, kept, &cache);
                 }
+                caches.put(req.generation, Some(cache));
             }
             node.stats
                 .hops
@@ -384,7 +391,12 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
             req.picks.len()
         ));
     }
-    let kept = node
+    let mut layers: Vec<u32> = req.picks.iter().map(|p| p.layer).collect();
+    layers.sort_unstable();
+    if let Some(w) = layers.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!("layer {} is picked twice", w[0]));
+    }
+    let (kept, log) = node
         .caches
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -395,11 +407,31 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
                 req.step, req.generation
             )
         })?;
+    let limit = node.cfg.max_message_bytes / 2;
     tokio::task::spawn_blocking(move || {
-        req.picks
+        let reveals = req
+            .picks
             .iter()
-            .map(|p| kept.reveal(p.layer as usize, p.position as usize))
-            .collect()
+            .map(|p| kept.reveal(p.layer as usize, p.position as usize, &log))
+            .collect::<Result<Vec<_>, _>>()?;
+        let bytes: usize = reveals
+            .iter()
+            .map(|r| {
+                r.cache.len()
+                    + (r.input.data.len() + r.next.data.len()) * 4
+                    + r.rows
+                        .iter()
+                        .map(|x| x.encoding.len() + 32 * (x.path.len() + 1))
+                        .sum::<usize>()
+            })
+            .sum();
+        if bytes > limit {
+            return Err(format!(
+                "the reveal would carry {bytes} bytes, over half the {} byte message limit",
+                limit * 2
+            ));
+        }
+        Ok(reveals)
     })
     .await
     .map_err(|e| e.to_string())?

@@ -16,4 +16,5 @@ pub use trace::{Entry as TraceEntry, HopTrace, Point};
 pub use wire::{decode, encode, WireError};
 
 /// Version of the peer protocol. Peers with another version are ignored (and say why).
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 2: traces commit each layer's new KV cache rows; reveals carry the cache; cached audits.
+pub const PROTOCOL_VERSION: u32 = 2;

@@ -203,8 +203,9 @@ pub struct RevealPick {
 }
 
 /// What a stage reveals of one layer at one position of a hop: the activations entering the
-/// layer and leaving it (every row of the hop, as committed), and the row of each product at
-/// that position with its Merkle path.
+/// layer and leaving it (every row of the hop, as committed), the row of each product at that
+/// position with its Merkle path, and the layer's KV cache up to the end of the hop (so the
+/// checker can recompute the row's attention).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LayerReveal {
     /// The layer.
@@ -215,8 +216,12 @@ pub struct LayerReveal {
     pub input: WireActivations,
     /// The activations leaving it (the next layer's input, or the hop's output).
     pub next: WireActivations,
-    /// One row per product of the layer, in computation order.
+    /// One row per product of the layer, in computation order. The attention products' rows
+    /// carry no encoding (the checker recomputes them), only their root and path.
     pub rows: Vec<RevealedRow>,
+    /// The layer's KV cache rows of positions `0..` the end of the hop, each in its canonical
+    /// encoding (`dc_model::LayerCache::encode_row`), committed hop by hop as `KvCache`.
+    pub cache: Vec<u8>,
 }
 
 /// One row of one committed product.

@@ -3,7 +3,7 @@
 //! fixed order, under one Merkle root that goes into the signed hop record.
 //!
 //! The order is the computation's: for each layer, its input activations, then q, k, v, the
-//! attention scores and context, the output projection, the MLP products; after the last layer,
+//! rows its KV cache gained, the attention scores and context, the output projection, the MLP products; after the last layer,
 //! the output activations. Two honest stages produce the same list bit for bit; the first
 //! differing entry locates a lie to one product of one layer.
 
@@ -38,6 +38,10 @@ pub enum Point {
     Fc,
     /// Activations leaving the last layer of the hop.
     Output,
+    /// The rows the layer's KV cache gained in the hop (quantised keys with RoPE applied and
+    /// quantised values, as attention reads them). Last in the enum so earlier points keep
+    /// their numbers (they are hashed); recorded between V and the scores.
+    KvCache,
 }
 
 /// One committed point.
@@ -135,6 +139,7 @@ pub fn expected_points(layers: crate::LayerRange, swiglu: bool) -> Vec<(u32, Poi
             Point::Q,
             Point::K,
             Point::V,
+            Point::KvCache,
             Point::Scores,
             Point::Context,
             Point::O,
@@ -148,6 +153,7 @@ pub fn expected_points(layers: crate::LayerRange, swiglu: bool) -> Vec<(u32, Poi
             Point::Q,
             Point::K,
             Point::V,
+            Point::KvCache,
             Point::Scores,
             Point::Context,
             Point::O,

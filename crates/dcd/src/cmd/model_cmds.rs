@@ -245,10 +245,15 @@ fn spot_costs(
     // Two stages over the same positions, one committing and one also keeping, taking turns
     // token by token so the machine's drift hits both alike.
     let mut caches = [0, 1].map(|_| dc_model::KvCache::new(&model.config, layers.clone()));
+    // The keeping stage's hops and cache rows: a check ties the revealed cache to every hop.
+    let mut hops = Vec::new();
+    let mut log = dc_model::CacheLog::default();
     for cache in &mut caches {
         let mut t = HopTrace::from_position(0);
         model.run_layers_traced(gemm, model.embed(prompt, 0)?, cache, Some(&mut t))?;
+        hops = vec![(t, prompt.len())];
     }
+    log.record(&caches[1]);
     for i in 0..decode {
         let pos = prompt.len() + i;
         let x = model.embed(&[(pos % 100) as u32], pos)?;
@@ -259,16 +264,19 @@ fn spot_costs(
         let mut t = HopTrace::from_position(pos);
         let s = Instant::now();
         let (_, hop) = model.run_layers_kept(gemm, x, &mut caches[1], &mut t)?;
+        log.record(&caches[1]);
         kept.push(s.elapsed().as_secs_f64());
+        hops.push((t, 1));
         let c = &checkers[i % n];
         let s = Instant::now();
         let r = hop
-            .reveal(c.layer(), pos)
+            .reveal(c.layer(), pos, &log)
             .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
         reveal.push(s.elapsed().as_secs_f64());
         bytes.push(dc_types::encode(&r, usize::MAX)?.len() as f64);
         let s = Instant::now();
-        c.check(model, &t, 1, &r)
+        let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
+        c.check(model, &views, &r)
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
         check.push(s.elapsed().as_secs_f64());
     }
