@@ -178,6 +178,20 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         let err = revealed(client.stage_request(victim, reveal(step, picks)).await).unwrap_err();
         assert!(err.contains(why), "{err}");
     }
+    // Cache rows: of positions it holds, every layer it runs; of others, an error.
+    let rows = |generation, end| StageRequest::CacheRows(CacheRowsRequest { generation, end });
+    let cache_rows = |r: Result<StageResponse, dc_net::NetError>| match r {
+        Ok(StageResponse::CacheRows(r)) => r,
+        other => panic!("expected a cache rows answer, got {other:?}"),
+    };
+    let got = cache_rows(client.stage_request(victim, rows(generation, 1)).await).unwrap();
+    assert_eq!(got.len(), served.layers.as_range().len());
+    assert!(got.iter().all(|r| r.len() == row_bytes));
+    let err = cache_rows(client.stage_request(victim, rows(generation, 2)).await).unwrap_err();
+    assert!(err.contains("fewer than 2 positions"), "{err}");
+    let stranger = dc_types::GenerationId([7; 16]);
+    let err = cache_rows(client.stage_request(victim, rows(stranger, 1)).await).unwrap_err();
+    assert!(err.contains("no cache rows"), "{err}");
 
     // Over the size cap: 2 MB of activations against a 1 MiB limit. The daemon refuses to read
     // it; the sender sees the request fail.

@@ -230,8 +230,10 @@ fn honest_swarms_never_fail_an_audit() {
         replayed > 0 && replayed <= served,
         "replayed {replayed}, served {served}"
     );
+    let mut from_cache = 0;
     for d in [&a, &b] {
         let au = &d.status()["audits"];
+        from_cache += au["from_cache"].as_u64().unwrap();
         run += au["run"].as_u64().unwrap();
         failed += au["failed"].as_u64().unwrap();
         spot_run += au["spot_checks"]["run"].as_u64().unwrap();
@@ -239,6 +241,12 @@ fn honest_swarms_never_fail_an_audit() {
         assert!(d.excluded().is_empty());
     }
     assert!(run > 20, "audits must actually run: {run}");
+    // Every audit of a hop after the first starts from the stage's committed cache rows; only
+    // the prefill hops (position 0) are replayed.
+    assert!(
+        from_cache > 10 && from_cache < run,
+        "audits from cache rows: {from_cache} of {run}"
+    );
     assert_eq!(failed, 0, "an honest swarm never fails an audit");
     assert!(spot_run > 20, "spot checks must actually run: {spot_run}");
     assert_eq!(spot_failed, 0, "an honest swarm never fails a spot check");

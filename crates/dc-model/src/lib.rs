@@ -27,5 +27,5 @@ pub mod weights;
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{Activations, KvCache, LoadOptions, Model};
-pub use reveal::{CacheLog, KeptHop, LayerChecker};
+pub use reveal::{check_cache_rows, CacheLog, KeptHop, LayerChecker};
 pub use source::{TensorInfo, TensorSource};

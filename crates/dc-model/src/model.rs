@@ -131,6 +131,33 @@ impl KvCache {
         self.caches.iter().map(LayerCache::bytes).sum()
     }
 
+    /// A cache for `layers` holding the positions encoded in `rows`, one entry per layer (see
+    /// [`LayerCache::from_encoded`]), as a peer revealed them.
+    pub fn from_encoded(
+        cfg: &ModelConfig,
+        layers: Range<usize>,
+        rows: &[Vec<u8>],
+    ) -> Result<KvCache> {
+        if rows.len() != layers.len() {
+            return Err(ModelError::Input(format!(
+                "cache rows of {} layers for layers {}..{}",
+                rows.len(),
+                layers.start,
+                layers.end
+            )));
+        }
+        let caches = rows
+            .iter()
+            .map(|r| LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, r))
+            .collect::<Result<Vec<_>>>()?;
+        if caches.iter().any(|c| c.len() != caches[0].len()) {
+            return Err(ModelError::Input(
+                "cache rows of different lengths for different layers".into(),
+            ));
+        }
+        Ok(KvCache { layers, caches })
+    }
+
     /// The cache of `layer` (an absolute layer index), if this cache serves it.
     pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
         self.caches.get(layer.checked_sub(self.layers.start)?)

@@ -411,38 +411,12 @@ impl LayerChecker {
         hops: &[(&HopTrace, usize)],
         reveal: &'r LayerReveal,
     ) -> std::result::Result<(LayerCache, &'r [u8]), String> {
-        let (l, pos) = (self.layer as u32, reveal.position as usize);
+        let pos = reveal.position as usize;
+        check_cache_rows(cfg, self.layer, hops, &reveal.cache)?;
         let rb = LayerCache::new(cfg.num_kv_heads, cfg.head_dim).row_bytes();
-        let mut end = 0;
-        for &(t, n) in hops {
-            if t.from != end {
-                return Err(format!(
-                    "the hops do not cover the generation: one starts at {} after {end}",
-                    t.from
-                ));
-            }
-            end += n;
-        }
-        if reveal.cache.len() != end * rb {
-            return Err(format!(
-                "layer {l}: {} bytes of cache rows revealed, not positions 0..{end}",
-                reveal.cache.len()
-            ));
-        }
-        for &(t, n) in hops {
-            let bytes = &reveal.cache[t.from * rb..(t.from + n) * rb];
-            if t.get(l, Point::KvCache) != Some(cache_commitment(t.from, rb, bytes)) {
-                return Err(format!(
-                    "layer {l}: the revealed cache rows of positions {}..{} are not the \
-                     committed ones",
-                    t.from,
-                    t.from + n
-                ));
-            }
-        }
         let before =
             LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, &reveal.cache[..pos * rb])
-                .map_err(|e| format!("layer {l}: {e}"))?;
+                .map_err(|e| format!("layer {}: {e}", self.layer))?;
         Ok((before, &reveal.cache[pos * rb..(pos + 1) * rb]))
     }
 
@@ -452,6 +426,47 @@ impl LayerChecker {
             .find(|(p, _, _)| *p == point)
             .map(|(_, k, b)| (k, b.as_deref()))
     }
+}
+
+/// Checks that `bytes` are `layer`'s KV cache rows of every position of `hops` — all the hops a
+/// stage served in a generation, in order from position 0, as (signed trace, rows) — exactly
+/// as each hop committed them.
+pub fn check_cache_rows(
+    cfg: &crate::ModelConfig,
+    layer: usize,
+    hops: &[(&HopTrace, usize)],
+    bytes: &[u8],
+) -> std::result::Result<(), String> {
+    let l = layer as u32;
+    let rb = LayerCache::new(cfg.num_kv_heads, cfg.head_dim).row_bytes();
+    let mut end = 0;
+    for &(t, n) in hops {
+        if t.from != end {
+            return Err(format!(
+                "the hops do not cover the generation: one starts at {} after {end}",
+                t.from
+            ));
+        }
+        end += n;
+    }
+    if bytes.len() != end * rb {
+        return Err(format!(
+            "layer {l}: {} bytes of cache rows revealed, not positions 0..{end}",
+            bytes.len()
+        ));
+    }
+    for &(t, n) in hops {
+        let rows = &bytes[t.from * rb..(t.from + n) * rb];
+        if t.get(l, Point::KvCache) != Some(cache_commitment(t.from, rb, rows)) {
+            return Err(format!(
+                "layer {l}: the revealed cache rows of positions {}..{} are not the committed \
+                 ones",
+                t.from,
+                t.from + n
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Revealed activations of a hop: `rows` rows of `hidden` from `first`.

@@ -13,8 +13,8 @@ use std::time::Instant;
 use dc_kernels::{Commitment, Domain};
 use dc_model::{Activations, LoadOptions, Model};
 use dc_types::{
-    AuditRequest, FraudProof, GenerationId, Gossip, HopRecord, HopTrace, LayerRange, RouteHop,
-    Signed, StageRequest, StageResponse,
+    AuditRequest, CacheRowsRequest, FraudProof, GenerationId, Gossip, HopRecord, HopTrace,
+    LayerRange, RouteHop, Signed, StageRequest, StageResponse,
 };
 use serde_json::{json, Value};
 use tracing::{info, warn};
@@ -45,6 +45,10 @@ pub struct AuditBook {
     order: VecDeque<Commitment>,
     /// Audits the head wanted but could find no auditor for.
     pub unavailable: u64,
+    /// Audits run from the audited stage's committed cache rows (one hop each, no replay).
+    pub from_cache: u64,
+    /// Bytes of cache rows those audits carried (received from the stage, sent on).
+    pub from_cache_bytes: u64,
     /// Spot checks run by this head.
     pub spot: crate::spot::SpotTally,
 }
@@ -106,7 +110,8 @@ impl AuditBook {
         let s = &self.spot;
         let spot = json!({"run": s.run, "passed": s.passed, "failed": s.failed,
             "unavailable": s.unavailable, "layers": s.layers, "bytes": s.bytes});
-        let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "per_peer": per, "spot_checks": spot});
+        let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "from_cache": self.from_cache,
+            "from_cache_bytes": self.from_cache_bytes, "per_peer": per, "spot_checks": spot});
         let excluded: Vec<Value> = self
             .excluded
             .iter()
@@ -227,6 +232,9 @@ pub async fn audit(
     let Some(last) = log.inputs.last() else {
         return false;
     };
+    if let Some((auditor, trace)) = audit_from_cache(&node, &seg, &log).await {
+        return judge(node, seg, log, &auditor, trace).await;
+    }
     // One audit of a stage at a time: they share the auditor's cache.
     let mut session = session.lock().await;
     let keep = session.auditor.clone().filter(|a| {
@@ -270,6 +278,7 @@ pub async fn audit(
             from: last.start as u32,
             session: session.id,
             hops: log.inputs[skip..].iter().map(crate::verify::wire).collect(),
+            cache: Vec::new(),
         };
         theirs = if auditor == node.local {
             crate::stage::serve_audit(node.clone(), req).await
@@ -310,6 +319,18 @@ pub async fn audit(
         }
     };
     drop(session);
+    judge(node, seg, log, &auditor, trace).await
+}
+
+/// Compares the auditor's trace of the last hop in `log` with the stage's; on disagreement,
+/// referees. Returns whether the stage was proven to lie.
+async fn judge(
+    node: Arc<Node>,
+    seg: RouteHop,
+    log: StageLog,
+    auditor: &str,
+    trace: HopTrace,
+) -> bool {
     let agreed = log.traces.last() == Some(&trace);
     node.audits
         .lock()
@@ -323,6 +344,107 @@ pub async fn audit(
         seg.peer, seg.layers
     );
     referee(node, &seg.peer, seg.layers, &log).await
+}
+
+/// An audit of the last hop in `log` that starts from the audited stage's own KV cache rows
+/// instead of replaying its generation: the stage reveals its rows of every earlier position,
+/// the head checks them against the `KvCache` commitments of every earlier hop, and an auditor
+/// runs only the audited hop on them (one hop of compute, not a replay). A lie in an earlier
+/// hop's cache rows is that hop's lie, seen when that hop is checked. `None` when this cannot
+/// run — the hop starts at position 0, the stage does not reveal, its rows do not match its
+/// commitments, they are too large for a message, no auditor answers — and the caller replays.
+async fn audit_from_cache(
+    node: &Arc<Node>,
+    seg: &RouteHop,
+    log: &StageLog,
+) -> Option<(String, HopTrace)> {
+    let (last, record) = (log.inputs.last()?, log.records.last()?);
+    if last.start == 0 {
+        return None;
+    }
+    let request = StageRequest::CacheRows(CacheRowsRequest {
+        generation: record.body.generation,
+        end: last.start as u32,
+    });
+    let rows = match node
+        .client
+        .stage_request(seg.peer.parse().ok()?, request)
+        .await
+    {
+        Ok(StageResponse::CacheRows(Ok(rows))) => rows,
+        other => {
+            info!(
+                "{} did not reveal its cache rows ({other:?}): replaying",
+                seg.peer
+            );
+            return None;
+        }
+    };
+    let n = log.inputs.len() - 1;
+    let hops: Vec<(HopTrace, usize)> = log.traces[..n]
+        .iter()
+        .cloned()
+        .zip(log.inputs[..n].iter().map(|x| x.rows()))
+        .collect();
+    let (cfg, layers) = (node.model_cfg.clone(), seg.layers);
+    let checked = tokio::task::spawn_blocking(move || {
+        let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
+        if rows.len() != layers.as_range().len() {
+            return Err(format!("rows of {} layers for {layers}", rows.len()));
+        }
+        for (l, bytes) in layers.as_range().zip(&rows) {
+            dc_model::check_cache_rows(&cfg, l, &views, bytes)?;
+        }
+        Ok(rows)
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
+    let rows = match checked {
+        Ok(rows) => rows,
+        Err(why) => {
+            warn!(
+                "{} revealed cache rows it did not commit ({why}): replaying",
+                seg.peer
+            );
+            return None;
+        }
+    };
+    let bytes: usize = rows.iter().map(Vec::len).sum();
+    let salt = [&record.body.generation.0[..], &last.start.to_le_bytes()].concat();
+    let auditor = pick_auditor(node, seg.layers, &seg.peer, &salt)?;
+    let req = AuditRequest {
+        model_id: node.model_id,
+        layers: seg.layers,
+        from: last.start as u32,
+        session: record.body.generation,
+        hops: vec![crate::verify::wire(last)],
+        cache: rows,
+    };
+    let answer = if auditor == node.local {
+        crate::stage::serve_audit(node.clone(), req).await
+    } else {
+        match node
+            .client
+            .stage_request(auditor.parse().ok()?, StageRequest::Audit(req))
+            .await
+        {
+            Ok(StageResponse::Audit(r)) => r,
+            Ok(_) => Err("unexpected answer".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    match answer {
+        Ok(trace) => {
+            let mut book = node.audits.lock().unwrap_or_else(|e| e.into_inner());
+            book.from_cache += 1;
+            book.from_cache_bytes += bytes as u64;
+            Some((auditor, trace))
+        }
+        Err(e) => {
+            info!("audit from cache rows by {auditor} could not run ({e}): replaying");
+            None
+        }
+    }
 }
 
 /// Replays the accused's hops ourselves (loading its layers from our own model file), finds the

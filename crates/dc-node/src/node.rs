@@ -689,6 +689,9 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
                     StageRequest::Reveal(r) => {
                         StageResponse::Reveal(crate::stage::serve_reveal(node.clone(), r).await)
                     }
+                    StageRequest::CacheRows(r) => StageResponse::CacheRows(
+                        crate::stage::serve_cache_rows(node.clone(), r).await,
+                    ),
                     StageRequest::GetProof { id } => StageResponse::Proof(Box::new(
                         node.audits
                             .lock()

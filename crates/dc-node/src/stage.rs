@@ -9,8 +9,8 @@ use std::collections::VecDeque;
 
 use dc_model::{Activations, CacheLog, KeptHop, KvCache};
 use dc_types::{
-    AuditRequest, GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse, HopTrace,
-    LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations, MAX_REVEAL_PICKS,
+    AuditRequest, CacheRowsRequest, GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse,
+    HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations, MAX_REVEAL_PICKS,
 };
 
 use crate::node::Node;
@@ -159,6 +159,12 @@ impl StageCaches {
                 e.kept.push_back((step, Arc::new(hop)));
             }
         }
+    }
+
+    /// The layers `g` runs here and its logged cache rows (shared, not copied).
+    fn log(&self, g: &GenerationId) -> Option<(LayerRange, CacheLog)> {
+        let e = self.entries.get(g)?;
+        Some((e.layers, e.log.clone()))
     }
 
     /// A kept hop, with the generation's cache rows (shared, not copied).
@@ -437,6 +443,38 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
     .map_err(|e| e.to_string())?
 }
 
+/// Reveals this daemon's KV cache rows of a generation it serves (every layer it runs it for,
+/// positions `0..end`), for an audit that starts from them.
+pub async fn serve_cache_rows(
+    node: Arc<Node>,
+    req: CacheRowsRequest,
+) -> Result<Vec<Vec<u8>>, String> {
+    let (layers, log) = {
+        let caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
+        caches
+            .log(&req.generation)
+            .ok_or_else(|| format!("no cache rows of generation {} here", req.generation))?
+    };
+    let end = req.end as usize;
+    let rows = layers
+        .as_range()
+        .map(|l| {
+            log.rows(l, end)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| format!("layer {l} holds fewer than {end} positions here"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bytes: usize = rows.iter().map(Vec::len).sum();
+    let limit = node.cfg.max_message_bytes / 2;
+    if bytes > limit {
+        return Err(format!(
+            "{bytes} bytes of cache rows: over half the {} byte message limit",
+            limit * 2
+        ));
+    }
+    Ok(rows)
+}
+
 /// Audits another stage's hop: replays the inputs into the cache kept for the audit's session
 /// (fresh when they start at position 0, else continuing it), in the same hops, and returns the
 /// trace of the audited (last) hop. The cache stays for the head's next audit of that stage.
@@ -470,6 +508,9 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
     match hops.last() {
         Some(l) if l.start == req.from as usize => {}
         _ => return Err("the audited hop must be the last".into()),
+    }
+    if !req.cache.is_empty() {
+        return audit_from_cache(node, req.layers, req.cache, hops).await;
     }
     let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
         req.session,
@@ -516,5 +557,57 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .put(req.session, cache);
+    trace
+}
+
+/// An audit that starts from the audited stage's committed cache rows (checked by the head):
+/// builds the cache from them and runs only the audited hop.
+async fn audit_from_cache(
+    node: Arc<Node>,
+    layers: LayerRange,
+    rows: Vec<Vec<u8>>,
+    hops: Vec<Activations>,
+) -> Result<HopTrace, String> {
+    let serving = node.serving().ok_or("still loading")?;
+    let x = match <[Activations; 1]>::try_from(hops) {
+        Ok([x]) => x,
+        Err(h) => {
+            return Err(format!(
+                "an audit from cache rows runs 1 hop, not {}",
+                h.len()
+            ))
+        }
+    };
+    let _permit = node
+        .compute
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| "shutting down")?;
+    let n2 = node.clone();
+    let rows_run = x.rows();
+    let trace = tokio::task::spawn_blocking(move || {
+        let cfg = &serving.model.config;
+        let mut cache = KvCache::from_encoded(cfg, layers.as_range(), &rows)
+            .map_err(|e| format!("cache rows: {e}"))?;
+        if cache.len() != x.start {
+            return Err(format!(
+                "cache rows of {} positions for a hop at position {}",
+                cache.len(),
+                x.start
+            ));
+        }
+        let mut t = HopTrace::from_position(x.start);
+        serving
+            .model
+            .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut t))
+            .map_err(|e| e.to_string())?;
+        Ok(t)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    node.stats
+        .audit_positions
+        .fetch_add(rows_run as u64, std::sync::atomic::Ordering::Relaxed);
     trace
 }

@@ -176,6 +176,18 @@ pub enum StageRequest {
     },
     /// Reveal rows of a hop this stage just served, for a spot check of its products.
     Reveal(RevealRequest),
+    /// Reveal this stage's KV cache rows of a generation (every layer it runs), for an audit
+    /// that starts from them instead of replaying.
+    CacheRows(CacheRowsRequest),
+}
+
+/// The KV cache rows of positions `0..end` of every layer a stage runs for `generation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheRowsRequest {
+    /// The generation.
+    pub generation: GenerationId,
+    /// One past the last position wanted.
+    pub end: u32,
 }
 
 /// Most (layer, position) picks one reveal request may ask for.
@@ -255,6 +267,11 @@ pub struct AuditRequest {
     pub session: GenerationId,
     /// Each hop's input, in order (contiguous positions), ending with the audited hop.
     pub hops: Vec<WireActivations>,
+    /// Empty for a replay. Otherwise the audited stage's committed KV cache rows of positions
+    /// `0..from`, one entry per layer of `layers` (checked by the head against the stage's
+    /// commitments): the auditor starts from them and runs only the audited hop, the one
+    /// entry of `hops`; `session` is then unused.
+    pub cache: Vec<Vec<u8>>,
 }
 
 /// A stage's answer to a [`StageRequest`].
@@ -270,6 +287,8 @@ pub enum StageResponse {
     Proof(Box<Option<FraudProof>>),
     /// The revealed rows, or why they cannot be.
     Reveal(Result<Vec<LayerReveal>, String>),
+    /// The cache rows, one entry per layer, or why they cannot be revealed.
+    CacheRows(Result<Vec<Vec<u8>>, String>),
 }
 
 /// What makes a fraud proof.
