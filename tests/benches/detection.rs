@@ -12,6 +12,11 @@
 //!
 //! Each counts how often the liar is actually proven and excluded.
 //!
+//! `DETECTION_FAULT=attention` makes the liar lie in its last layer's attention instead (it
+//! attends over a key and a value other than the committed ones and stays consistent after
+//! that): no weight product is wrong, only a check that recomputes the attention sees it. It
+//! cannot lie on its first hop (nothing is cached yet), so `H − 1` hops count.
+//!
 //! ```text
 //! cargo bench -p dc-tests --bench detection            # DETECTION_TRIALS=N (default 40)
 //! DETECTION_ONLY=spot cargo bench -p dc-tests --bench detection   # or audit: one kind of row
@@ -32,11 +37,11 @@ struct Swarm {
     liar: Daemon,
 }
 
-fn swarm(model: &Path, f: f64, spot_rate: f64) -> Swarm {
+fn swarm(model: &Path, kind: &str, f: f64, spot_rate: f64) -> Swarm {
     let dir = tempfile::tempdir().unwrap();
     let spot = spot_rate.to_string();
     let head_extra = ["--spot-check-rate", spot.as_str()];
-    let fault = format!("flip-bit:{f}");
+    let fault = format!("{kind}:{f}");
     let (head, honest, liar) = swarm_with_liar(dir.path(), model, &head_extra, &fault);
     Swarm {
         _dir: dir,
@@ -71,6 +76,8 @@ fn main() {
         (0.1, 0.0, 1.0),
     ];
     let only = std::env::var("DETECTION_ONLY").unwrap_or_default();
+    let kind = std::env::var("DETECTION_FAULT").unwrap_or_else(|_| "flip-bit".into());
+    println!("liar: --fault {kind}:f");
     for (f, p, c) in rows {
         if (only == "spot" && c == 0.0) || (only == "audit" && p == 0.0) {
             continue;
@@ -83,7 +90,7 @@ fn main() {
         // through the honest stage instead.
         let (mut counted, mut skipped, mut t) = (0, 0, 0);
         while counted < trials && t < trials * 5 {
-            let sw = s.get_or_insert_with(|| swarm(&model, f, c));
+            let sw = s.get_or_insert_with(|| swarm(&model, &kind, f, c));
             let before = hops(&sw.liar);
             let seed = t.to_string();
             t += 1;
@@ -127,7 +134,8 @@ fn main() {
         }
         // H: the liar's hops in a generation it was not caught in (all of them).
         let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
-        let predicted = 1.0 - (1.0 - f * p).powf(h) * (1.0 - f * c).powf(h);
+        let lying = if kind == "attention" { h - 1.0 } else { h };
+        let predicted = 1.0 - (1.0 - f * p).powf(lying) * (1.0 - f * c).powf(lying);
         println!(
             "{f:5.2} {p:8.2} {c:7.2} {h:7.0} {predicted:11.3} {:10.3} ({caught}/{counted})   {audits}, {unavailable}   ({skipped} without the liar)",
             caught as f64 / counted.max(1) as f64

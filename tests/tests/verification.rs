@@ -128,6 +128,24 @@ fn spot_checks_alone_catch_every_kind_of_lie() {
 }
 
 #[test]
+fn a_liar_that_reveals_nothing_is_audited_by_replay() {
+    // Spot checks only, and the liar refuses every reveal and cache-row request: a refused
+    // one-row reveal makes the head audit the hop, and with no cache rows the audit replays.
+    let model = fixtures().join("qwen2");
+    let extra = ["--audit-rate", "0", "--spot-check-rate", "1"];
+    let audits = lie_is_caught(&model, &extra, "hide");
+    let spot = &audits["spot_checks"];
+    assert!(spot["unavailable"].as_u64().unwrap() >= 1, "{audits}");
+    // Only the honest stage's reveals were checked (once the liar is out, it serves 2..4).
+    assert_eq!(spot["failed"], 0, "the liar answered no reveal: {audits}");
+    assert!(audits["failed"].as_u64().unwrap() >= 1, "{audits}");
+    assert_eq!(
+        audits["from_cache"], 0,
+        "no cache rows were revealed: {audits}"
+    );
+}
+
+#[test]
 fn verify_all_releases_only_checked_tokens() {
     let model = fixtures().join("gpt2");
     let dir = tempfile::tempdir().unwrap();

@@ -7,6 +7,8 @@
 //! - `other-weights`: the products are computed on other values than the committed input, as a
 //!   stage with other weights would.
 //! - `stale`: returns the output of an earlier hop of the same generation.
+//! - `hide`: flips a bit like `flip-bit` and refuses every reveal and cache-row request, so
+//!   spot checks and audits from cache rows cannot run; the head must fall back to replaying.
 //! - `attention`: the last layer's attention reads a key and a value of the previous position
 //!   other than the ones the stage committed (and keeps in its cache), and everything after it
 //!   is computed honestly from there: every weight product is consistent with its input, so
@@ -35,6 +37,8 @@ pub enum FaultKind {
     Stale,
     /// Attend over a cache other than the committed one.
     Attention,
+    /// Flip a bit and refuse to reveal anything.
+    Hide,
 }
 
 /// A configured fault.
@@ -57,10 +61,11 @@ impl std::str::FromStr for Fault {
             "other-weights" => FaultKind::OtherWeights,
             "stale" => FaultKind::Stale,
             "attention" => FaultKind::Attention,
+            "hide" => FaultKind::Hide,
             _ => {
                 return Err(format!(
-                    "fault {k:?}: expected flip-bit, skip-layer, other-weights, stale or \
-                     attention"
+                    "fault {k:?}: expected flip-bit, skip-layer, other-weights, stale, \
+                     attention or hide"
                 ))
             }
         };
@@ -85,6 +90,11 @@ pub fn set(f: Fault) -> bool {
 /// The fault set by [`set`], else the one in `DCD_FAULT` (read once).
 pub fn configured() -> Option<Fault> {
     *CONFIGURED.get_or_init(|| std::env::var("DCD_FAULT").ok().and_then(|s| s.parse().ok()))
+}
+
+/// Whether this daemon refuses every reveal (`hide`).
+pub fn hides() -> bool {
+    configured().is_some_and(|f| f.kind == FaultKind::Hide)
 }
 
 fn last_outputs() -> &'static Mutex<HashMap<GenerationId, Activations>> {
@@ -146,7 +156,7 @@ pub fn run(
     let layers = cache.layers();
     let y =
         match f.kind {
-            FaultKind::FlipBit => {
+            FaultKind::FlipBit | FaultKind::Hide => {
                 let (mut y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
                 kept = k;
                 let i = (coin(&g, step, 2) * y.data.len() as f64) as usize % y.data.len().max(1);

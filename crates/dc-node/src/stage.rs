@@ -397,6 +397,10 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
             req.picks.len()
         ));
     }
+    #[cfg(feature = "fault-injection")]
+    if crate::fault::hides() {
+        return Err("not revealing anything (fault: hide)".into());
+    }
     let mut layers: Vec<u32> = req.picks.iter().map(|p| p.layer).collect();
     layers.sort_unstable();
     if let Some(w) = layers.windows(2).find(|w| w[0] == w[1]) {
@@ -449,6 +453,10 @@ pub async fn serve_cache_rows(
     node: Arc<Node>,
     req: CacheRowsRequest,
 ) -> Result<Vec<Vec<u8>>, String> {
+    #[cfg(feature = "fault-injection")]
+    if crate::fault::hides() {
+        return Err("not revealing anything (fault: hide)".into());
+    }
     let (layers, log) = {
         let caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
         caches

@@ -138,7 +138,7 @@ pub struct JoinArgs {
     #[arg(long)]
     pub spot_check_rate: Option<f64>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
-    /// all) by flip-bit, skip-layer, other-weights, stale or attention.
+    /// all) by flip-bit, skip-layer, other-weights, stale, attention or hide.
     #[arg(long, value_name = "KIND[:FRACTION]", hide = !dc_node::FAULT_INJECTION)]
     pub fault: Option<String>,
 }
