@@ -149,7 +149,11 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
             step,
             picks: picks
                 .into_iter()
-                .map(|(layer, position)| RevealPick { layer, position })
+                .map(|(layer, position)| RevealPick {
+                    layer,
+                    position,
+                    cache_from: 0,
+                })
                 .collect(),
         })
     };
@@ -178,6 +182,13 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         let err = revealed(client.stage_request(victim, reveal(step, picks)).await).unwrap_err();
         assert!(err.contains(why), "{err}");
     }
+    // Cache rows from past the hop's first position cannot be revealed with it.
+    let mut past = reveal(0, vec![(1, 0)]);
+    if let StageRequest::Reveal(r) = &mut past {
+        r.picks[0].cache_from = 1;
+    }
+    let err = revealed(client.stage_request(victim, past).await).unwrap_err();
+    assert!(err.contains("past the hop's first position"), "{err}");
     // Cache rows: of positions it holds, every layer it runs; of others, an error.
     let rows = |generation, end| StageRequest::CacheRows(CacheRowsRequest { generation, end });
     let cache_rows = |r: Result<StageResponse, dc_net::NetError>| match r {

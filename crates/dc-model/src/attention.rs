@@ -122,6 +122,16 @@ impl LayerCache {
         self.len == 0
     }
 
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Head width.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.k_q.len() + self.v_q.len() + self.k_s.len() * 4 + self.v_e.len() * 2
@@ -166,6 +176,36 @@ impl LayerCache {
     /// as revealed by a peer: refuses anything [`Self::append`] could not have produced.
     pub fn from_encoded(kv_heads: usize, head_dim: usize, bytes: &[u8]) -> Result<LayerCache> {
         let mut c = LayerCache::new(kv_heads, head_dim);
+        c.extend_encoded(bytes)?;
+        Ok(c)
+    }
+
+    /// Keeps only the first `len` positions.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            let per = self.kv_heads;
+            self.k_q.truncate(len * per * self.hb * BLOCK);
+            self.k_s.truncate(len * per * self.hb);
+            self.v_q.truncate(len * per * self.head_dim);
+            self.v_e.truncate(len * per);
+            self.len = len;
+        }
+    }
+
+    /// Appends the positions encoded in `bytes` (see [`Self::from_encoded`]); on an error
+    /// nothing is appended.
+    pub fn extend_encoded(&mut self, bytes: &[u8]) -> Result<()> {
+        let held = self.len;
+        let done = self.extend_encoded_rows(bytes);
+        if done.is_err() {
+            self.truncate(held);
+        }
+        done
+    }
+
+    fn extend_encoded_rows(&mut self, bytes: &[u8]) -> Result<()> {
+        let (kv_heads, head_dim) = (self.kv_heads, self.head_dim);
+        let c = self;
         let rb = c.row_bytes();
         if rb == 0 || !bytes.len().is_multiple_of(rb) {
             return Err(ModelError::Input(format!(
@@ -173,49 +213,59 @@ impl LayerCache {
                 bytes.len()
             )));
         }
+        let n = bytes.len() / rb;
+        let hb = c.hb;
+        c.k_q.reserve_exact(n * kv_heads * hb * BLOCK);
+        c.k_s.reserve_exact(n * kv_heads * hb);
+        c.v_q.reserve_exact(n * kv_heads * head_dim);
+        c.v_e.reserve_exact(n * kv_heads);
+        let first = c.len;
         let bad = |what: &str, pos: usize| {
-            ModelError::Input(format!("the cache row at position {pos} has {what}"))
+            ModelError::Input(format!(
+                "the cache row at position {} has {what}",
+                first + pos
+            ))
         };
-        let int8 = |b: u8| (b as i8 != i8::MIN).then_some(b as i8);
-        let exponent = |lo: u8, hi: u8| {
-            let e = i16::from_le_bytes([lo, hi]);
-            (-MAX_CACHE_EXPONENT..=MAX_CACHE_EXPONENT)
-                .contains(&e)
-                .then_some(e)
-        };
+        let exponent_ok = |e: i16| (-MAX_CACHE_EXPONENT..=MAX_CACHE_EXPONENT).contains(&e);
         for (pos, row) in bytes.chunks_exact(rb).enumerate() {
-            let mut rest = row;
-            let mut take = |n: usize| {
-                let (a, b) = rest.split_at(n);
-                rest = b;
-                a
-            };
-            for _ in 0..kv_heads {
-                for &b in take(c.hb * BLOCK) {
-                    c.k_q
-                        .push(int8(b).ok_or_else(|| bad("a key of -128", pos))?);
+            // `append` never writes -128 (int8 values are clamped to ±127).
+            if row.contains(&0x80) {
+                // Only the int8 parts may hold that byte; a scale or exponent may.
+                let mut at = 0;
+                for _ in 0..kv_heads {
+                    let (k, v) = (at..at + hb * BLOCK, at + hb * (BLOCK + 3));
+                    if row[k].contains(&0x80) || row[v..v + head_dim].contains(&0x80) {
+                        return Err(bad("an int8 of -128", pos));
+                    }
+                    at = v + head_dim + 2;
                 }
-                for s in take(c.hb * 3).chunks_exact(3) {
-                    let e =
-                        exponent(s[1], s[2]).ok_or_else(|| bad("a key scale out of range", pos))?;
-                    if s[0] < 128 {
-                        return Err(bad("a key scale below 128", pos));
+            }
+            let mut at = 0;
+            for _ in 0..kv_heads {
+                let k = &row[at..at + hb * BLOCK];
+                c.k_q.extend(k.iter().map(|&b| b as i8));
+                at += hb * BLOCK;
+                for s in row[at..at + hb * 3].chunks_exact(3) {
+                    let e = i16::from_le_bytes([s[1], s[2]]);
+                    if s[0] < 128 || !exponent_ok(e) {
+                        return Err(bad("a key scale out of range", pos));
                     }
                     c.k_s.push(BlockScale { m: s[0], e });
                 }
-                for &b in take(head_dim) {
-                    c.v_q
-                        .push(int8(b).ok_or_else(|| bad("a value of -128", pos))?);
+                at += hb * 3;
+                c.v_q
+                    .extend(row[at..at + head_dim].iter().map(|&b| b as i8));
+                at += head_dim;
+                let e = i16::from_le_bytes([row[at], row[at + 1]]);
+                if !exponent_ok(e) {
+                    return Err(bad("a value exponent out of range", pos));
                 }
-                let e = take(2);
-                c.v_e.push(
-                    exponent(e[0], e[1])
-                        .ok_or_else(|| bad("a value exponent out of range", pos))?,
-                );
+                c.v_e.push(e);
+                at += 2;
             }
             c.len += 1;
         }
-        Ok(c)
+        Ok(())
     }
 
     /// Appends the keys and values of `rows` new positions (`rows × kv_heads · head_dim` each,
@@ -248,6 +298,9 @@ impl LayerCache {
         Ok(())
     }
 }
+
+/// Multiply-adds of one attention call below which its heads run on the calling thread.
+const PARALLEL_WORK: usize = 1 << 20;
 
 /// Largest magnitude of a cache exponent (a key scale's or a value's) a revealed row may carry:
 /// finite f32 keys and values need about 160, and this keeps every `2^e` attention forms
@@ -371,28 +424,33 @@ pub fn attend_committed(
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let group = heads / shape.kv_heads;
-    let results: Vec<Result<Option<HeadExact>, String>> = out
-        .par_chunks_mut(hd)
-        .enumerate()
-        .map(|(idx, o)| {
-            let (t, h) = (idx / heads, idx % heads);
-            let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-            let mut ex = commit_from
-                .is_some_and(|f| start + t >= f)
-                .then(HeadExact::default);
-            head_attention(
-                cache,
-                qh,
-                h / group,
-                start + t,
-                shape.window,
-                scale,
-                o,
-                ex.as_mut(),
-            )?;
-            Ok(ex)
-        })
-        .collect();
+    let one = |(idx, o): (usize, &mut [f32])| {
+        let (t, h) = (idx / heads, idx % heads);
+        let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+        let mut ex = commit_from
+            .is_some_and(|f| start + t >= f)
+            .then(HeadExact::default);
+        head_attention(
+            cache,
+            qh,
+            h / group,
+            start + t,
+            shape.window,
+            scale,
+            o,
+            ex.as_mut(),
+        )?;
+        Ok(ex)
+    };
+    // Heads are independent, so splitting them over threads changes no bit; below about a
+    // million multiply-adds (a decode row over a few hundred positions) waking the pool costs
+    // more than it saves.
+    let work = rows * heads * (start + rows) * hd;
+    let results: Vec<Result<Option<HeadExact>, String>> = if work < PARALLEL_WORK {
+        out.chunks_mut(hd).enumerate().map(one).collect()
+    } else {
+        out.par_chunks_mut(hd).enumerate().map(one).collect()
+    };
     let mut exact = Vec::with_capacity(results.len());
     for r in results {
         match r {

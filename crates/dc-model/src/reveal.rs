@@ -180,11 +180,13 @@ impl KeptHop {
 
     /// Reveals `layer` at `position`: the activations entering and leaving the layer, the row
     /// of each product at that position (the attention products' by root and path only), and
-    /// the layer's cache rows up to the end of the hop from `log`.
+    /// the layer's cache rows from `cache_from` (at most the hop's first position) to the end
+    /// of the hop, from `log`.
     pub fn reveal(
         &self,
         layer: usize,
         position: usize,
+        cache_from: usize,
         log: &CacheLog,
     ) -> std::result::Result<LayerReveal, String> {
         let i = self
@@ -208,9 +210,15 @@ impl KeptHop {
             .map(|(p, k)| k.reveal(*p, first, index).ok_or("a kept product is short"))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let end = first + l.input.rows();
+        if cache_from > first {
+            return Err(format!(
+                "cache rows from {cache_from} start past the hop's first position {first}"
+            ));
+        }
         let cache = log
             .rows(layer, end)
             .ok_or_else(|| format!("the cache rows of layer {layer} up to {end} are not kept"))?;
+        let cache = &cache[cache_from * log.row_bytes..];
         Ok(LayerReveal {
             layer: layer as u32,
             position: position as u32,
@@ -276,17 +284,20 @@ impl LayerChecker {
 
     /// Checks what a stage revealed of this layer in the last of `hops` — every hop the stage
     /// served in the generation, in order from position 0, each as its signed trace and its
-    /// number of rows: every revealed row opens its commitment, the cache rows are the ones
-    /// each hop committed, every weight product passes Freivalds' test on the input the glue
-    /// derives, the row's attention recomputed on those cache rows opens both attention
-    /// commitments, and the layer's output at that position is what all of it gives. `Err`
+    /// number of rows: every revealed row opens its commitment, the revealed cache rows (from
+    /// `known.len()` on: `known` holds the rows an earlier check already verified, from 0) are
+    /// the ones each hop committed, every weight product passes Freivalds' test on the input
+    /// the glue derives, the row's attention recomputed on the cache opens both attention
+    /// commitments, and the layer's output at that position is what all of it gives. Returns
+    /// the verified cache up to the end of the hop (for the next check of the layer); `Err`
     /// says what failed.
     pub fn check(
         &self,
         model: &Model,
         hops: &[(&HopTrace, usize)],
+        known: &LayerCache,
         reveal: &LayerReveal,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<LayerCache, String> {
         let cfg = &model.config;
         let (l, pos) = (self.layer as u32, reveal.position as usize);
         let &(trace, rows) = hops.last().ok_or("no hop to check")?;
@@ -312,7 +323,7 @@ impl LayerChecker {
                 "layer {l}: the revealed output is not the committed one"
             ));
         }
-        let (before, cache_row) = self.cache_rows(cfg, hops, reveal)?;
+        let (before, cache_row) = self.cache_rows(cfg, hops, known, reveal)?;
         // Every product of the layer, once, opened against its commitment; the attention
         // products' rows are recomputed, so only their openings are taken here.
         let mut values = Vec::new();
@@ -374,6 +385,7 @@ impl LayerChecker {
             mlp_norm: &self.mlp_norm,
             gelu: self.gelu,
         };
+        let end = trace.from + rows;
         let mut revealed = Revealed {
             checker: self,
             values,
@@ -400,7 +412,14 @@ impl LayerChecker {
                 "layer {l}: the output at position {pos} is not what the revealed products give"
             ));
         }
-        Ok(())
+        // The cache now holds 0..=pos; the hop's later rows were verified above.
+        let mut cache = revealed.cache;
+        let rb = cache.row_bytes();
+        let later = (pos + 1 - known.len()) * rb..(end - known.len()) * rb;
+        cache
+            .extend_encoded(&reveal.cache[later])
+            .map_err(|e| format!("layer {l}: {e}"))?;
+        Ok(cache)
     }
 
     /// Checks the revealed cache rows against every hop's `KvCache` commitment and returns the
@@ -409,15 +428,25 @@ impl LayerChecker {
         &self,
         cfg: &crate::ModelConfig,
         hops: &[(&HopTrace, usize)],
+        known: &LayerCache,
         reveal: &'r LayerReveal,
     ) -> std::result::Result<(LayerCache, &'r [u8]), String> {
-        let pos = reveal.position as usize;
-        check_cache_rows(cfg, self.layer, hops, &reveal.cache)?;
-        let rb = LayerCache::new(cfg.num_kv_heads, cfg.head_dim).row_bytes();
-        let before =
-            LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, &reveal.cache[..pos * rb])
-                .map_err(|e| format!("layer {}: {e}", self.layer))?;
-        Ok((before, &reveal.cache[pos * rb..(pos + 1) * rb]))
+        let (l, pos, from) = (self.layer, reveal.position as usize, known.len());
+        check_cache_rows(cfg, l, hops, from, &reveal.cache)?;
+        let rb = known.row_bytes();
+        if pos < from || (known.kv_heads(), known.head_dim()) != (cfg.num_kv_heads, cfg.head_dim) {
+            return Err(format!(
+                "layer {l}: the known cache does not fit position {pos}"
+            ));
+        }
+        let mut before = known.clone();
+        before
+            .extend_encoded(&reveal.cache[..(pos - from) * rb])
+            .map_err(|e| format!("layer {l}: {e}"))?;
+        Ok((
+            before,
+            &reveal.cache[(pos - from) * rb..(pos - from + 1) * rb],
+        ))
     }
 
     fn key(&self, point: Point) -> Option<(&FreivaldsKey, Option<&[f32]>)> {
@@ -428,13 +457,15 @@ impl LayerChecker {
     }
 }
 
-/// Checks that `bytes` are `layer`'s KV cache rows of every position of `hops` — all the hops a
-/// stage served in a generation, in order from position 0, as (signed trace, rows) — exactly
-/// as each hop committed them.
+/// Checks that `bytes` are `layer`'s KV cache rows of the positions of `hops` from `from` on
+/// — `hops` being all the hops a stage served in a generation, in order from position 0, as
+/// (signed trace, rows), and `from` where one of them starts (or their end) — exactly as each
+/// hop committed them.
 pub fn check_cache_rows(
     cfg: &crate::ModelConfig,
     layer: usize,
     hops: &[(&HopTrace, usize)],
+    from: usize,
     bytes: &[u8],
 ) -> std::result::Result<(), String> {
     let l = layer as u32;
@@ -449,14 +480,17 @@ pub fn check_cache_rows(
         }
         end += n;
     }
-    if bytes.len() != end * rb {
+    if from != end && hops.iter().all(|(t, _)| t.from != from) {
+        return Err(format!("layer {l}: no hop starts at position {from}"));
+    }
+    if bytes.len() != (end - from.min(end)) * rb {
         return Err(format!(
-            "layer {l}: {} bytes of cache rows revealed, not positions 0..{end}",
+            "layer {l}: {} bytes of cache rows revealed, not positions {from}..{end}",
             bytes.len()
         ));
     }
-    for &(t, n) in hops {
-        let rows = &bytes[t.from * rb..(t.from + n) * rb];
+    for &(t, n) in hops.iter().filter(|(t, _)| t.from >= from) {
+        let rows = &bytes[(t.from - from) * rb..(t.from - from + n) * rb];
         if t.get(l, Point::KvCache) != Some(cache_commitment(t.from, rb, rows)) {
             return Err(format!(
                 "layer {l}: the revealed cache rows of positions {}..{} are not the committed \

@@ -99,6 +99,11 @@ fn stage_hops_tampered(
     (out, log)
 }
 
+/// A cache holding nothing (a layer's first check).
+fn empty(model: &Model) -> LayerCache {
+    LayerCache::new(model.config.num_kv_heads, model.config.head_dim)
+}
+
 /// The checker's view of the hops up to and including hop `k`.
 fn views(hops: &[Hop], k: usize) -> Vec<(&HopTrace, usize)> {
     hops[..=k].iter().map(|(t, n, _)| (t, *n)).collect()
@@ -124,11 +129,35 @@ fn honest_reveals_pass_for_every_layer_and_row() {
             for (k, (trace, rows, kept)) in hops.iter().enumerate() {
                 for c in &checkers {
                     for index in [0, rows / 2, rows - 1] {
-                        let reveal = kept.reveal(c.layer(), trace.from + index, &log).unwrap();
-                        c.check(&model, &views(&hops, k), &reveal)
+                        let reveal = kept.reveal(c.layer(), trace.from + index, 0, &log).unwrap();
+                        let full = c
+                            .check(&model, &views(&hops, k), &empty(&model), &reveal)
                             .unwrap_or_else(|e| {
                                 panic!("{name}: layer {} row {index}: {e}", c.layer())
                             });
+                        // The verified cache is the stage's, up to the end of the hop.
+                        let end = trace.from + rows;
+                        assert_eq!(
+                            full.encode_rows(0..full.len()),
+                            log.rows(c.layer(), end).unwrap()
+                        );
+                        // Holding what an earlier check verified (up to an earlier hop's end),
+                        // the checker is sent only the rest, and ends with the same cache.
+                        for (held, _, _) in &hops[..=k] {
+                            let held = held.from;
+                            let mut known = full.clone();
+                            known.truncate(held);
+                            let r = kept
+                                .reveal(c.layer(), trace.from + index, held, &log)
+                                .unwrap();
+                            assert_eq!(r.cache.len(), (end - held) * full.row_bytes());
+                            let again = c.check(&model, &views(&hops, k), &known, &r).unwrap();
+                            assert_eq!(
+                                again.encode_rows(0..again.len()),
+                                full.encode_rows(0..full.len()),
+                                "{name}: held {held}"
+                            );
+                        }
                         // The attention products' rows travel without values (the checker
                         // recomputes them); the cache up to the end of the hop does.
                         assert!(reveal
@@ -149,19 +178,33 @@ fn honest_reveals_pass_for_every_layer_and_row() {
         // What is not in the hop cannot be revealed.
         let (trace, rows, kept) = &hops[1];
         assert!(
-            kept.reveal(0, trace.from, &log).is_err(),
+            kept.reveal(0, trace.from, 0, &log).is_err(),
             "{name}: layer outside the stage"
         );
         assert!(
-            kept.reveal(1, trace.from + rows, &log).is_err(),
+            kept.reveal(1, trace.from + rows, 0, &log).is_err(),
             "{name}: row outside the hop"
         );
         // Without the earlier hops' commitments, or with a hop missing, the cache cannot be
         // tied to them.
         let c = &checkers(&model, stage.clone(), 1)[0];
-        let reveal = kept.reveal(c.layer(), trace.from, &log).unwrap();
-        let err = c.check(&model, &views(&hops, 1)[1..], &reveal).unwrap_err();
+        let reveal = kept.reveal(c.layer(), trace.from, 0, &log).unwrap();
+        let err = c
+            .check(&model, &views(&hops, 1)[1..], &empty(&model), &reveal)
+            .unwrap_err();
         assert!(err.contains("do not cover"), "{name}: {err}");
+        // Cache rows from inside a hop cannot be tied to its commitment; from past the hop's
+        // start they are not revealed.
+        let mut known = c
+            .check(&model, &views(&hops, 1), &empty(&model), &reveal)
+            .unwrap();
+        known.truncate(3);
+        let r = kept.reveal(c.layer(), trace.from, 3, &log).unwrap();
+        let err = c.check(&model, &views(&hops, 1), &known, &r).unwrap_err();
+        assert!(err.contains("no hop starts at position 3"), "{name}: {err}");
+        assert!(kept
+            .reveal(c.layer(), trace.from, trace.from + 1, &log)
+            .is_err());
     }
 }
 
@@ -192,8 +235,8 @@ fn lies_in_a_reveal_are_refused() {
         let view = views(&hops, 1);
         let c = &checkers(&model, stage.clone(), 7)[stage.len() - 1];
         let pos = trace.from;
-        let honest = kept.reveal(c.layer(), pos, &log).unwrap();
-        c.check(&model, &view, &honest).unwrap();
+        let honest = kept.reveal(c.layer(), pos, 0, &log).unwrap();
+        c.check(&model, &view, &empty(&model), &honest).unwrap();
         fn with_trace<'a>(
             view: &[(&'a HopTrace, usize)],
             t: &'a HopTrace,
@@ -212,7 +255,9 @@ fn lies_in_a_reveal_are_refused() {
                 let cols = row.cols as usize;
                 let root = row.root;
                 set(&mut t, c.layer(), point, gemm_commitment(1, cols, &root));
-                let err = c.check(&model, &with_trace(&view, &t), &r).unwrap_err();
+                let err = c
+                    .check(&model, &with_trace(&view, &t), &empty(&model), &r)
+                    .unwrap_err();
                 assert!(
                     err.contains("recomputed from the revealed cache"),
                     "{name} {point:?}: {err}"
@@ -229,13 +274,15 @@ fn lies_in_a_reveal_are_refused() {
                 ref w => w.clone(),
             };
             recommit(&mut t, &mut r, point, &values);
-            let err = c.check(&model, &with_trace(&view, &t), &r).unwrap_err();
+            let err = c
+                .check(&model, &with_trace(&view, &t), &empty(&model), &r)
+                .unwrap_err();
             assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
             // The honest row against a commitment it does not open.
             let mut r = honest.clone();
             let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
             row.encoding[0] ^= 1;
-            let err = c.check(&model, &view, &r).unwrap_err();
+            let err = c.check(&model, &view, &empty(&model), &r).unwrap_err();
             assert!(err.contains("does not open"), "{name} {point:?}: {err}");
         }
         // A flipped bit of the output, committed consistently.
@@ -252,7 +299,9 @@ fn lies_in_a_reveal_are_refused() {
             .find(|e| e.point == Point::Output)
             .unwrap()
             .commitment = next.commitment();
-        let err = c.check(&model, &with_trace(&view, &t), &r).unwrap_err();
+        let err = c
+            .check(&model, &with_trace(&view, &t), &empty(&model), &r)
+            .unwrap_err();
         assert!(
             err.contains("not what the revealed products give"),
             "{name}: {err}"
@@ -262,26 +311,26 @@ fn lies_in_a_reveal_are_refused() {
             let mut r = honest.clone();
             let rb = r.cache.len() / (pos + 1);
             r.cache[at * rb + 1] ^= 1;
-            let err = c.check(&model, &view, &r).unwrap_err();
+            let err = c.check(&model, &view, &empty(&model), &r).unwrap_err();
             assert!(err.contains("not the committed ones"), "{name} {at}: {err}");
         }
         // Too few cache rows.
         let mut r = honest.clone();
         r.cache.pop();
-        assert!(c.check(&model, &view, &r).is_err());
+        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
         // Revealed activations that are not the committed ones; a missing or repeated row.
         let mut r = honest.clone();
         r.input.data[0] += 1.0;
-        assert!(c.check(&model, &view, &r).is_err());
+        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
         let mut r = honest.clone();
         r.rows.pop();
-        assert!(c.check(&model, &view, &r).is_err());
+        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
         let mut r = honest.clone();
         r.rows.push(r.rows[0].clone());
-        assert!(c.check(&model, &view, &r).is_err());
+        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
         // A reveal of another layer or position than the checker's.
-        let other = kept.reveal(c.layer() - 1, pos, &log).unwrap();
-        assert!(c.check(&model, &view, &other).is_err());
+        let other = kept.reveal(c.layer() - 1, pos, 0, &log).unwrap();
+        assert!(c.check(&model, &view, &empty(&model), &other).is_err());
     }
 }
 
@@ -322,8 +371,10 @@ fn an_attention_lie_kept_consistent_is_caught() {
                 Some((layer, 3, byte)),
             );
             let (trace, _, kept) = &hops[1];
-            let reveal = kept.reveal(layer, trace.from, &log).unwrap();
-            let err = c.check(&model, &views(&hops, 1), &reveal).unwrap_err();
+            let reveal = kept.reveal(layer, trace.from, 0, &log).unwrap();
+            let err = c
+                .check(&model, &views(&hops, 1), &empty(&model), &reveal)
+                .unwrap_err();
             assert!(
                 err.contains("recomputed from the revealed cache"),
                 "{name} {what}: {err}"

@@ -393,7 +393,7 @@ async fn audit_from_cache(
             return Err(format!("rows of {} layers for {layers}", rows.len()));
         }
         for (l, bytes) in layers.as_range().zip(&rows) {
-            dc_model::check_cache_rows(&cfg, l, &views, bytes)?;
+            dc_model::check_cache_rows(&cfg, l, &views, 0, bytes)?;
         }
         Ok(rows)
     })

@@ -198,6 +198,8 @@ struct Attempt {
     audits: Vec<JoinHandle<bool>>,
     /// Per route stage: its auditor and what that auditor's replay cache holds.
     sessions: Vec<Arc<tokio::sync::Mutex<AuditSession>>>,
+    /// Per route stage: the cache rows spot checks verified.
+    known: Vec<spot::KnownCaches>,
     rate: f32,
     spot_rate: f32,
 }
@@ -268,8 +270,8 @@ impl Attempt {
             };
             if !picks.is_empty() {
                 let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
-                let session = self.sessions[i].clone();
-                let check = spot::spot_check(node2, seg, log, self.g, step, picks, session);
+                let (session, known) = (self.sessions[i].clone(), self.known[i].clone());
+                let check = spot::spot_check(node2, seg, log, self.g, step, picks, session, known);
                 self.audits.push(tokio::spawn(check));
             }
             x = r.output;
@@ -447,6 +449,7 @@ async fn drive(
             sessions: (0..route_len)
                 .map(|i| Arc::new(tokio::sync::Mutex::new(AuditSession::new(node, &g, i))))
                 .collect(),
+            known: (0..route_len).map(|_| Default::default()).collect(),
             rate,
             spot_rate,
         };

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use dc_kernels::Domain;
+use dc_model::attention::LayerCache;
 use dc_model::{LayerChecker, LoadOptions, Model};
 use dc_types::{
     GenerationId, LayerRange, RevealPick, RevealRequest, RouteHop, StageRequest, StageResponse,
@@ -65,25 +66,50 @@ pub fn picks(
             (u < rate as f64).then(|| RevealPick {
                 layer,
                 position: (from + (word(8) % rows as u64) as usize) as u32,
+                cache_from: 0,
             })
         })
         .collect()
 }
 
+/// The cache rows of one route stage's layers that earlier checks verified (from position 0),
+/// per layer: a check asks only for the rows after them.
+pub type KnownCaches = Arc<std::sync::Mutex<HashMap<usize, LayerCache>>>;
+
 /// Asks `seg.peer` to reveal `picks` of its last hop in `log` (step `step` of `g`) and checks
 /// them. Returns whether the stage was proven to lie (by the referee a failed check calls, or
 /// by the audit a refused reveal calls).
+#[allow(clippy::too_many_arguments)]
 pub async fn spot_check(
     node: Arc<Node>,
     seg: RouteHop,
     log: StageLog,
     g: GenerationId,
     step: u64,
-    picks: Vec<RevealPick>,
+    mut picks: Vec<RevealPick>,
     session: Arc<tokio::sync::Mutex<AuditSession>>,
+    known: KnownCaches,
 ) -> bool {
-    let Some(rows) = log.inputs.last().map(|x| x.rows()) else {
+    let Some((rows, start)) = log.inputs.last().map(|x| (x.rows(), x.start)) else {
         return false;
+    };
+    // What earlier checks verified, up to this hop (a check of a later hop may have finished
+    // first).
+    let held: Vec<LayerCache> = {
+        let k = known.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = &node.model_cfg;
+        picks
+            .iter_mut()
+            .map(|p| {
+                let mut c = k
+                    .get(&(p.layer as usize))
+                    .cloned()
+                    .unwrap_or_else(|| LayerCache::new(cfg.num_kv_heads, cfg.head_dim));
+                c.truncate(start);
+                p.cache_from = c.len() as u32;
+                c
+            })
+            .collect()
     };
     let request = StageRequest::Reveal(RevealRequest {
         generation: g,
@@ -145,7 +171,8 @@ pub async fn spot_check(
         .collect();
     let checked = tokio::task::spawn_blocking(move || {
         let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
-        for (pick, reveal) in picks.iter().zip(&reveals) {
+        let mut verified = Vec::new();
+        for ((pick, reveal), held) in picks.iter().zip(&reveals).zip(&held) {
             if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
                 return Err(format!(
                     "asked for layer {} at {}, got layer {} at {}",
@@ -155,12 +182,20 @@ pub async fn spot_check(
             let c = checkers
                 .get(&(pick.layer as usize))
                 .ok_or("no checker for a picked layer")?;
-            c.check(&model, &hops, reveal)?;
+            verified.push((pick.layer as usize, c.check(&model, &hops, held, reveal)?));
         }
-        Ok(())
+        Ok(verified)
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));
+    if let Ok(verified) = &checked {
+        let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
+        for (layer, cache) in verified {
+            if k.get(layer).is_none_or(|c| c.len() < cache.len()) {
+                k.insert(*layer, cache.clone());
+            }
+        }
+    }
     let n = layers.len() as u64;
     tally(&node, |t| {
         t.run += 1;
@@ -173,7 +208,7 @@ pub async fn spot_check(
         }
     });
     match checked {
-        Ok(()) => false,
+        Ok(_) => false,
         Err(why) => {
             warn!(
                 "spot check of {} (layers {}, step {step}) failed: {why}; refereeing",

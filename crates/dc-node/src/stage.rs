@@ -422,7 +422,10 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
         let reveals = req
             .picks
             .iter()
-            .map(|p| kept.reveal(p.layer as usize, p.position as usize, &log))
+            .map(|p| {
+                let (layer, position) = (p.layer as usize, p.position as usize);
+                kept.reveal(layer, position, p.cache_from as usize, &log)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let bytes: usize = reveals
             .iter()

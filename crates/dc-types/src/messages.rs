@@ -212,6 +212,9 @@ pub struct RevealPick {
     pub layer: u32,
     /// The absolute position (a row of the hop).
     pub position: u32,
+    /// The first position whose cache rows to reveal (the checker holds the earlier ones,
+    /// verified by an earlier check); at most the hop's first position.
+    pub cache_from: u32,
 }
 
 /// What a stage reveals of one layer at one position of a hop: the activations entering the
@@ -231,8 +234,9 @@ pub struct LayerReveal {
     /// One row per product of the layer, in computation order. The attention products' rows
     /// carry no encoding (the checker recomputes them), only their root and path.
     pub rows: Vec<RevealedRow>,
-    /// The layer's KV cache rows of positions `0..` the end of the hop, each in its canonical
-    /// encoding (`dc_model::LayerCache::encode_row`), committed hop by hop as `KvCache`.
+    /// The layer's KV cache rows of positions `cache_from..` the end of the hop, each in its
+    /// canonical encoding (`dc_model::LayerCache::encode_row`), committed hop by hop as
+    /// `KvCache`.
     pub cache: Vec<u8>,
 }
 

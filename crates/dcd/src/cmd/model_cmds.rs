@@ -217,13 +217,20 @@ struct SpotCosts {
     kept: f64,
     /// One layer's share of a committed decode hop, seconds.
     layer: f64,
-    /// Per checked layer: the stage's reveal and the checker's check, seconds; wire bytes.
+    /// Per checked layer: the stage's reveal and the checker's check, seconds; wire bytes
+    /// (each layer checked every `SPOT_GAP` tokens, holding the cache rows it verified before).
     reveal: f64,
     check: f64,
     bytes: f64,
+    /// The same for a layer's first check in the generation (the whole cache revealed).
+    first_check: f64,
+    first_bytes: f64,
     /// Building one layer's checker (once per head and layer), seconds.
     build: f64,
 }
+
+/// Tokens between two checks of one layer in the spot-check benchmark (as at a rate of 0.1).
+const SPOT_GAP: usize = 10;
 
 fn spot_costs(
     model: &dc_model::Model,
@@ -242,6 +249,14 @@ fn spot_costs(
     let build = s.elapsed().as_secs_f64() / n as f64;
     let (mut committed, mut kept) = (Vec::new(), Vec::new());
     let (mut reveal, mut check, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut first_check, mut first_bytes) = (Vec::new(), Vec::new());
+    // What the checker verified of each layer's cache so far.
+    let mut known: Vec<_> = layers
+        .clone()
+        .map(|_| {
+            dc_model::attention::LayerCache::new(model.config.num_kv_heads, model.config.head_dim)
+        })
+        .collect();
     // Two stages over the same positions, one committing and one also keeping, taking turns
     // token by token so the machine's drift hits both alike.
     let mut caches = [0, 1].map(|_| dc_model::KvCache::new(&model.config, layers.clone()));
@@ -267,18 +282,32 @@ fn spot_costs(
         log.record(&caches[1]);
         kept.push(s.elapsed().as_secs_f64());
         hops.push((t, 1));
-        let c = &checkers[i % n];
+        // SPOT_GAP layers spread over the model take turns.
+        let l = (i % SPOT_GAP) * n / SPOT_GAP.min(n);
+        let (c, first) = (&checkers[l], known[l].is_empty());
         let s = Instant::now();
         let r = hop
-            .reveal(c.layer(), pos, &log)
+            .reveal(l, pos, known[l].len(), &log)
             .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
-        reveal.push(s.elapsed().as_secs_f64());
-        bytes.push(dc_types::encode(&r, usize::MAX)?.len() as f64);
+        let revealed = s.elapsed().as_secs_f64();
+        let size = dc_types::encode(&r, usize::MAX)?.len() as f64;
         let s = Instant::now();
         let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
-        c.check(model, &views, &r)
+        known[l] = c
+            .check(model, &views, &known[l], &r)
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
-        check.push(s.elapsed().as_secs_f64());
+        let checked = s.elapsed().as_secs_f64();
+        if first {
+            first_check.push(checked);
+            first_bytes.push(size);
+        } else {
+            reveal.push(revealed);
+            check.push(checked);
+            bytes.push(size);
+        }
+    }
+    if check.is_empty() {
+        anyhow::bail!("--spot-check needs more than {SPOT_GAP} --decode-tokens");
     }
     let committed = median(&mut committed);
     Ok(SpotCosts {
@@ -288,6 +317,8 @@ fn spot_costs(
         reveal: median(&mut reveal),
         check: median(&mut check),
         bytes: median(&mut bytes),
+        first_check: median(&mut first_check),
+        first_bytes: median(&mut first_bytes),
         build,
     })
 }
@@ -362,15 +393,18 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
         if let (Some(c), false) = (&spot, a.json || global.quiet) {
             println!(
                 "{} threads {t} spot checks: keeping decode hops {:.1} % slower than committing; \
-                 per checked layer: reveal {:.0} µs + check {:.0} µs = {:.2} % of the layer's \
-                 committed decode compute, {:.0} bytes on the wire; checker built in {:.0} ms \
-                 per layer (once)",
+                 per checked layer (each checked every {SPOT_GAP} tokens): reveal {:.0} µs + \
+                 check {:.0} µs = {:.2} % of the layer's committed decode compute, {:.0} bytes \
+                 on the wire; a layer's first check (its whole cache revealed): {:.0} µs, \
+                 {:.0} bytes; checker built in {:.0} ms per layer (once)",
                 kernel.name(),
                 100.0 * (c.committed / c.kept - 1.0),
                 c.reveal * 1e6,
                 c.check * 1e6,
                 100.0 * (c.reveal + c.check) / c.layer,
                 c.bytes,
+                c.first_check * 1e6,
+                c.first_bytes,
                 c.build * 1e3
             );
         }
@@ -391,6 +425,7 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 "committed_decode_hops_per_s": c.committed, "kept_decode_hops_per_s": c.kept,
                 "layer_decode_s": c.layer, "reveal_s": c.reveal, "check_s": c.check,
                 "bytes_per_layer": c.bytes, "checker_build_s": c.build,
+                "first_check_s": c.first_check, "first_bytes": c.first_bytes,
             })),
             "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
         }));
