@@ -299,9 +299,6 @@ impl LayerCache {
     }
 }
 
-/// Multiply-adds of one attention call below which its heads run on the calling thread.
-const PARALLEL_WORK: usize = 1 << 20;
-
 /// Largest magnitude of a cache exponent (a key scale's or a value's) a revealed row may carry:
 /// finite f32 keys and values need about 160, and this keeps every `2^e` attention forms
 /// within f64.
@@ -442,15 +439,8 @@ pub fn attend_committed(
         )?;
         Ok(ex)
     };
-    // Heads are independent, so splitting them over threads changes no bit; below about a
-    // million multiply-adds (a decode row over a few hundred positions) waking the pool costs
-    // more than it saves.
-    let work = rows * heads * (start + rows) * hd;
-    let results: Vec<Result<Option<HeadExact>, String>> = if work < PARALLEL_WORK {
-        out.chunks_mut(hd).enumerate().map(one).collect()
-    } else {
-        out.par_chunks_mut(hd).enumerate().map(one).collect()
-    };
+    let results: Vec<Result<Option<HeadExact>, String>> =
+        out.par_chunks_mut(hd).enumerate().map(one).collect();
     let mut exact = Vec::with_capacity(results.len());
     for r in results {
         match r {
