@@ -373,8 +373,13 @@ async fn audit_from_cache(
     {
         Ok(StageResponse::CacheRows(Ok(rows))) => rows,
         other => {
+            let why = match other {
+                Ok(StageResponse::CacheRows(Err(e))) => e,
+                Ok(_) => "an unexpected answer".into(),
+                Err(e) => e.to_string(),
+            };
             info!(
-                "{} did not reveal its cache rows ({other:?}): replaying",
+                "{} did not reveal its cache rows ({why}): replaying",
                 seg.peer
             );
             return None;
