@@ -190,7 +190,13 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     let err = revealed(client.stage_request(victim, past).await).unwrap_err();
     assert!(err.contains("past the hop's first position"), "{err}");
     // Cache rows: of positions it holds, every layer it runs; of others, an error.
-    let rows = |generation, end| StageRequest::CacheRows(CacheRowsRequest { generation, end });
+    let rows = |generation, end| {
+        StageRequest::CacheRows(CacheRowsRequest {
+            generation,
+            from: 0,
+            end,
+        })
+    };
     let cache_rows = |r: Result<StageResponse, dc_net::NetError>| match r {
         Ok(StageResponse::CacheRows(r)) => r,
         other => panic!("expected a cache rows answer, got {other:?}"),
@@ -200,6 +206,13 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     assert!(got.iter().all(|r| r.len() == row_bytes));
     let err = cache_rows(client.stage_request(victim, rows(generation, 2)).await).unwrap_err();
     assert!(err.contains("fewer than 2 positions"), "{err}");
+    let backwards = StageRequest::CacheRows(CacheRowsRequest {
+        generation,
+        from: 1,
+        end: 0,
+    });
+    let err = cache_rows(client.stage_request(victim, backwards).await).unwrap_err();
+    assert!(err.contains("backwards"), "{err}");
     let stranger = dc_types::GenerationId([7; 16]);
     let err = cache_rows(client.stage_request(victim, rows(stranger, 1)).await).unwrap_err();
     assert!(err.contains("no cache rows"), "{err}");

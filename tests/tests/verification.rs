@@ -199,8 +199,9 @@ fn honest_swarms_never_fail_an_audit() {
             "2..4",
             "--bootstrap",
             &a.addr,
+            // Half the hops: audits that skip hops carry the cache rows in between.
             "--audit-rate",
-            "1",
+            "0.5",
             "--spot-check-rate",
             "1",
         ],
@@ -233,8 +234,9 @@ fn honest_swarms_never_fail_an_audit() {
         assert_eq!(got["tokens"], local(&model, "21", &s, "1.0")["tokens"]);
     }
     let (mut run, mut failed, mut spot_run, mut spot_failed) = (0, 0, 0, 0);
-    // Every remote hop was audited, yet each auditor replayed each input once (its replay
-    // cache continues from the last audit): no more positions than the stages served.
+    // Every remote hop of a's generations and about half of b's were audited, yet each
+    // auditor ran each position once (its session cache continues from the last audit):
+    // no more positions than the stages served.
     let all = [&a, &b, &c, &d];
     let replayed: u64 = all
         .iter()
@@ -248,10 +250,11 @@ fn honest_swarms_never_fail_an_audit() {
         replayed > 0 && replayed <= served,
         "replayed {replayed}, served {served}"
     );
-    let mut from_cache = 0;
+    let (mut from_cache, mut cache_bytes) = (0, 0);
     for d in [&a, &b] {
         let au = &d.status()["audits"];
         from_cache += au["from_cache"].as_u64().unwrap();
+        cache_bytes += au["from_cache_bytes"].as_u64().unwrap();
         run += au["run"].as_u64().unwrap();
         failed += au["failed"].as_u64().unwrap();
         spot_run += au["spot_checks"]["run"].as_u64().unwrap();
@@ -264,6 +267,17 @@ fn honest_swarms_never_fail_an_audit() {
     assert!(
         from_cache > 10 && from_cache < run,
         "audits from cache rows: {from_cache} of {run}"
+    );
+    // Each cache row travels once per audited stage and generation: at most the positions
+    // served times the stage's 2 layers times a row's bytes (sending the whole cache with
+    // every audit would be about 10 times that).
+    let cfg = dc_model::Model::load(&model, &Default::default())
+        .unwrap()
+        .config;
+    let row = dc_model::attention::LayerCache::new(cfg.num_kv_heads, cfg.head_dim).row_bytes();
+    assert!(
+        cache_bytes > 0 && cache_bytes <= served * 2 * row as u64,
+        "{cache_bytes} bytes of cache rows for {served} positions served"
     );
     assert_eq!(failed, 0, "an honest swarm never fails an audit");
     assert!(spot_run > 20, "spot checks must actually run: {spot_run}");

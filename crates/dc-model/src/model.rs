@@ -131,31 +131,36 @@ impl KvCache {
         self.caches.iter().map(LayerCache::bytes).sum()
     }
 
-    /// A cache for `layers` holding the positions encoded in `rows`, one entry per layer (see
-    /// [`LayerCache::from_encoded`]), as a peer revealed them.
-    pub fn from_encoded(
-        cfg: &ModelConfig,
-        layers: Range<usize>,
-        rows: &[Vec<u8>],
-    ) -> Result<KvCache> {
-        if rows.len() != layers.len() {
+    /// Appends the positions encoded in `rows`, one entry per layer (see
+    /// [`LayerCache::from_encoded`]), as a peer revealed them; on an error nothing is appended.
+    pub fn extend_encoded(&mut self, rows: &[Vec<u8>]) -> Result<()> {
+        if rows.len() != self.caches.len() {
             return Err(ModelError::Input(format!(
                 "cache rows of {} layers for layers {}..{}",
                 rows.len(),
-                layers.start,
-                layers.end
+                self.layers.start,
+                self.layers.end
             )));
         }
-        let caches = rows
-            .iter()
-            .map(|r| LayerCache::from_encoded(cfg.num_kv_heads, cfg.head_dim, r))
-            .collect::<Result<Vec<_>>>()?;
-        if caches.iter().any(|c| c.len() != caches[0].len()) {
-            return Err(ModelError::Input(
+        let held = self.len();
+        let mut done = Ok(());
+        for (c, r) in self.caches.iter_mut().zip(rows) {
+            done = c.extend_encoded(r);
+            if done.is_err() {
+                break;
+            }
+        }
+        if done.is_ok() && self.caches.iter().any(|c| c.len() != self.caches[0].len()) {
+            done = Err(ModelError::Input(
                 "cache rows of different lengths for different layers".into(),
             ));
         }
-        Ok(KvCache { layers, caches })
+        if done.is_err() {
+            for c in &mut self.caches {
+                c.truncate(held);
+            }
+        }
+        done
     }
 
     /// The cache of `layer` (an absolute layer index), if this cache serves it.

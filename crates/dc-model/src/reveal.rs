@@ -115,8 +115,13 @@ impl CacheLog {
 
     /// The rows of `layer` at positions `0..end`, if logged.
     pub fn rows(&self, layer: usize, end: usize) -> Option<&[u8]> {
+        self.rows_between(layer, 0, end)
+    }
+
+    /// The rows of `layer` at positions `from..end`, if logged.
+    pub fn rows_between(&self, layer: usize, from: usize, end: usize) -> Option<&[u8]> {
         let rows = self.rows.get(layer.checked_sub(self.first_layer)?)?;
-        rows.get(..end.checked_mul(self.row_bytes)?)
+        rows.get(from.checked_mul(self.row_bytes)?..end.checked_mul(self.row_bytes)?)
     }
 }
 
@@ -216,9 +221,8 @@ impl KeptHop {
             ));
         }
         let cache = log
-            .rows(layer, end)
+            .rows_between(layer, cache_from, end)
             .ok_or_else(|| format!("the cache rows of layer {layer} up to {end} are not kept"))?;
-        let cache = &cache[cache_from * log.row_bytes..];
         Ok(LayerReveal {
             layer: layer as u32,
             position: position as u32,

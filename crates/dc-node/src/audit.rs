@@ -13,8 +13,8 @@ use std::time::Instant;
 use dc_kernels::{Commitment, Domain};
 use dc_model::{Activations, LoadOptions, Model};
 use dc_types::{
-    AuditRequest, CacheRowsRequest, FraudProof, GenerationId, Gossip, HopRecord, HopTrace,
-    LayerRange, RouteHop, Signed, StageRequest, StageResponse,
+    AuditRequest, CacheRows, CacheRowsRequest, FraudProof, GenerationId, Gossip, HopRecord,
+    HopTrace, LayerRange, RouteHop, Signed, StageRequest, StageResponse,
 };
 use serde_json::{json, Value};
 use tracing::{info, warn};
@@ -169,7 +169,8 @@ pub struct StageLog {
 }
 
 /// A head's audits of one stage in one attempt: which peer audits it and how many positions
-/// that auditor's replay cache already holds, so each input is sent and replayed once.
+/// that auditor's session cache already holds, so each input (or committed cache row) is sent
+/// and each position computed once.
 #[derive(Debug)]
 pub struct AuditSession {
     /// The auditor's cache id (derived from the head's secret: no one else can address it).
@@ -232,9 +233,6 @@ pub async fn audit(
     let Some(last) = log.inputs.last() else {
         return false;
     };
-    if let Some((auditor, trace)) = audit_from_cache(&node, &seg, &log).await {
-        return judge(node, seg, log, &auditor, trace).await;
-    }
     // One audit of a stage at a time: they share the auditor's cache.
     let mut session = session.lock().await;
     let keep = session.auditor.clone().filter(|a| {
@@ -260,7 +258,6 @@ pub async fn audit(
             }
         }
     };
-    let mut theirs = Err(String::new());
     // Continue the auditor's cache; if it lost it, start over once from position 0. An audit
     // of a hop the cache has already passed (audits of one stage can start out of order)
     // starts from 0 at once.
@@ -269,6 +266,12 @@ pub async fn audit(
     } else {
         0
     };
+    if let Some(trace) = audit_from_cache(&node, &seg, &log, &auditor, &session, resume).await {
+        session.held = last.start + last.rows();
+        drop(session);
+        return judge(node, seg, log, &auditor, trace).await;
+    }
+    let mut theirs = Err(String::new());
     let tries: &[usize] = if resume > 0 { &[resume, 0] } else { &[0] };
     for &held in tries {
         let skip = log.inputs.iter().take_while(|x| x.start < held).count();
@@ -278,7 +281,7 @@ pub async fn audit(
             from: last.start as u32,
             session: session.id,
             hops: log.inputs[skip..].iter().map(crate::verify::wire).collect(),
-            cache: Vec::new(),
+            cache: None,
         };
         theirs = if auditor == node.local {
             crate::stage::serve_audit(node.clone(), req).await
@@ -347,23 +350,29 @@ async fn judge(
 }
 
 /// An audit of the last hop in `log` that starts from the audited stage's own KV cache rows
-/// instead of replaying its generation: the stage reveals its rows of every earlier position,
-/// the head checks them against the `KvCache` commitments of every earlier hop, and an auditor
-/// runs only the audited hop on them (one hop of compute, not a replay). A lie in an earlier
-/// hop's cache rows is that hop's lie, seen when that hop is checked. `None` when this cannot
-/// run — the hop starts at position 0, the stage does not reveal, its rows do not match its
-/// commitments, they are too large for a message, no auditor answers — and the caller replays.
+/// instead of replaying its generation: the stage reveals its rows of the positions after the
+/// `held` ones the auditor's session cache already holds, the head checks them against the
+/// `KvCache` commitments of the hops that made them, and `auditor` appends them to its session
+/// cache and runs only the audited hop (one hop of compute; each cache row travels once per
+/// stage and generation). A lie in an earlier hop's cache rows is that hop's lie, seen when
+/// that hop is checked. `None` when this cannot run — the hop starts at position 0, the stage
+/// does not reveal, its rows do not match its commitments, they are too large for a message,
+/// the auditor fails — and the caller replays.
 async fn audit_from_cache(
     node: &Arc<Node>,
     seg: &RouteHop,
     log: &StageLog,
-) -> Option<(String, HopTrace)> {
+    auditor: &str,
+    session: &AuditSession,
+    held: usize,
+) -> Option<HopTrace> {
     let (last, record) = (log.inputs.last()?, log.records.last()?);
     if last.start == 0 {
         return None;
     }
     let request = StageRequest::CacheRows(CacheRowsRequest {
         generation: record.body.generation,
+        from: held as u32,
         end: last.start as u32,
     });
     let rows = match node
@@ -398,7 +407,7 @@ async fn audit_from_cache(
             return Err(format!("rows of {} layers for {layers}", rows.len()));
         }
         for (l, bytes) in layers.as_range().zip(&rows) {
-            dc_model::check_cache_rows(&cfg, l, &views, 0, bytes)?;
+            dc_model::check_cache_rows(&cfg, l, &views, held, bytes)?;
         }
         Ok(rows)
     })
@@ -415,15 +424,16 @@ async fn audit_from_cache(
         }
     };
     let bytes: usize = rows.iter().map(Vec::len).sum();
-    let salt = [&record.body.generation.0[..], &last.start.to_le_bytes()].concat();
-    let auditor = pick_auditor(node, seg.layers, &seg.peer, &salt)?;
     let req = AuditRequest {
         model_id: node.model_id,
         layers: seg.layers,
         from: last.start as u32,
-        session: record.body.generation,
+        session: session.id,
         hops: vec![crate::verify::wire(last)],
-        cache: rows,
+        cache: Some(CacheRows {
+            from: held as u32,
+            rows,
+        }),
     };
     let answer = if auditor == node.local {
         crate::stage::serve_audit(node.clone(), req).await
@@ -443,7 +453,7 @@ async fn audit_from_cache(
             let mut book = node.audits.lock().unwrap_or_else(|e| e.into_inner());
             book.from_cache += 1;
             book.from_cache_bytes += bytes as u64;
-            Some((auditor, trace))
+            Some(trace)
         }
         Err(e) => {
             info!("audit from cache rows by {auditor} could not run ({e}): replaying");

@@ -9,8 +9,9 @@ use std::collections::VecDeque;
 
 use dc_model::{Activations, CacheLog, KeptHop, KvCache};
 use dc_types::{
-    AuditRequest, CacheRowsRequest, GenerationId, HopErrorKind, HopRecord, HopRequest, HopResponse,
-    HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations, MAX_REVEAL_PICKS,
+    AuditRequest, CacheRows, CacheRowsRequest, GenerationId, HopErrorKind, HopRecord, HopRequest,
+    HopResponse, HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations,
+    MAX_REVEAL_PICKS,
 };
 
 use crate::node::Node;
@@ -466,11 +467,14 @@ pub async fn serve_cache_rows(
             .log(&req.generation)
             .ok_or_else(|| format!("no cache rows of generation {} here", req.generation))?
     };
-    let end = req.end as usize;
+    let (from, end) = (req.from as usize, req.end as usize);
+    if from > end {
+        return Err(format!("positions {from}..{end} are backwards"));
+    }
     let rows = layers
         .as_range()
         .map(|l| {
-            log.rows(l, end)
+            log.rows_between(l, from, end)
                 .map(<[u8]>::to_vec)
                 .ok_or_else(|| format!("layer {l} holds fewer than {end} positions here"))
         })
@@ -520,8 +524,8 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         Some(l) if l.start == req.from as usize => {}
         _ => return Err("the audited hop must be the last".into()),
     }
-    if !req.cache.is_empty() {
-        return audit_from_cache(node, req.layers, req.cache, hops).await;
+    if let Some(rows) = req.cache {
+        return audit_from_cache(node, req.layers, req.session, rows, hops).await;
     }
     let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
         req.session,
@@ -572,11 +576,13 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
 }
 
 /// An audit that starts from the audited stage's committed cache rows (checked by the head):
-/// builds the cache from them and runs only the audited hop.
+/// appends them to the session's cache (a fresh one when they start at 0) and runs only the
+/// audited hop. The cache stays for the head's next audit of that stage.
 async fn audit_from_cache(
     node: Arc<Node>,
     layers: LayerRange,
-    rows: Vec<Vec<u8>>,
+    session: GenerationId,
+    rows: CacheRows,
     hops: Vec<Activations>,
 ) -> Result<HopTrace, String> {
     let serving = node.serving().ok_or("still loading")?;
@@ -589,6 +595,15 @@ async fn audit_from_cache(
             ))
         }
     };
+    let cfg = node.model_cfg.clone();
+    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
+        session,
+        layers,
+        rows.from as usize,
+        &cfg,
+        node.cfg.max_generations,
+    );
+    let mut cache = taken.map_err(|(_, why)| format!("audit session: {why}"))?;
     let _permit = node
         .compute
         .clone()
@@ -597,28 +612,37 @@ async fn audit_from_cache(
         .map_err(|_| "shutting down")?;
     let n2 = node.clone();
     let rows_run = x.rows();
-    let trace = tokio::task::spawn_blocking(move || {
-        let cfg = &serving.model.config;
-        let mut cache = KvCache::from_encoded(cfg, layers.as_range(), &rows)
-            .map_err(|e| format!("cache rows: {e}"))?;
-        if cache.len() != x.start {
-            return Err(format!(
-                "cache rows of {} positions for a hop at position {}",
-                cache.len(),
-                x.start
-            ));
-        }
-        let mut t = HopTrace::from_position(x.start);
-        serving
-            .model
-            .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut t))
-            .map_err(|e| e.to_string())?;
-        Ok(t)
+    let ran = tokio::task::spawn_blocking(move || {
+        let run = || {
+            cache
+                .extend_encoded(&rows.rows)
+                .map_err(|e| format!("cache rows: {e}"))?;
+            if cache.len() != x.start {
+                return Err(format!(
+                    "cache rows up to position {} for a hop at position {}",
+                    cache.len(),
+                    x.start
+                ));
+            }
+            let mut t = HopTrace::from_position(x.start);
+            serving
+                .model
+                .run_layers_traced(&n2.gemm, x, &mut cache, Some(&mut t))
+                .map_err(|e| e.to_string())?;
+            Ok(t)
+        };
+        let trace = run();
+        let kept = trace.is_ok().then_some(cache);
+        (trace, kept)
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await;
+    let (trace, cache) = ran.unwrap_or_else(|e| (Err(e.to_string()), None));
     node.stats
         .audit_positions
         .fetch_add(rows_run as u64, std::sync::atomic::Ordering::Relaxed);
+    node.caches
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .put(session, cache);
     trace
 }

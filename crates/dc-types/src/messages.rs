@@ -181,13 +181,25 @@ pub enum StageRequest {
     CacheRows(CacheRowsRequest),
 }
 
-/// The KV cache rows of positions `0..end` of every layer a stage runs for `generation`.
+/// The KV cache rows of positions `from..end` of every layer a stage runs for `generation`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CacheRowsRequest {
     /// The generation.
     pub generation: GenerationId,
+    /// The first position wanted.
+    pub from: u32,
     /// One past the last position wanted.
     pub end: u32,
+}
+
+/// Cache rows of positions `from..` for every layer of a stage, one entry per layer, each the
+/// rows' canonical encodings concatenated.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheRows {
+    /// The first position.
+    pub from: u32,
+    /// Per layer, the rows.
+    pub rows: Vec<Vec<u8>>,
 }
 
 /// Most (layer, position) picks one reveal request may ask for.
@@ -271,11 +283,11 @@ pub struct AuditRequest {
     pub session: GenerationId,
     /// Each hop's input, in order (contiguous positions), ending with the audited hop.
     pub hops: Vec<WireActivations>,
-    /// Empty for a replay. Otherwise the audited stage's committed KV cache rows of positions
-    /// `0..from`, one entry per layer of `layers` (checked by the head against the stage's
-    /// commitments): the auditor starts from them and runs only the audited hop, the one
-    /// entry of `hops`; `session` is then unused.
-    pub cache: Vec<Vec<u8>>,
+    /// `None` for a replay. Otherwise the audited stage's committed KV cache rows (checked by
+    /// the head against the stage's commitments) of the positions after those the session's
+    /// cache holds (from 0: a fresh cache) up to `from`: the auditor appends them and runs
+    /// only the audited hop, the one entry of `hops`.
+    pub cache: Option<CacheRows>,
 }
 
 /// A stage's answer to a [`StageRequest`].
