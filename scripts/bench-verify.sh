@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# What verification costs end to end: a 5-daemon loopback swarm (a head over the first third of
+# the layers, two peers for each other third, so every remote hop has an auditor) generates with
+# verification off (audit and spot-check rates 0) and at the defaults (0.1 and 0.1), taking
+# turns, and prints wall time per token and the head's audit and spot-check counters.
+#
+#   scripts/bench-verify.sh [MODEL] [TOKENS] [ROUNDS]     (default: smollm2-135m 96 2)
+#   LAYERS=30 sets the model's layer count (default 30, SmolLM2-135M).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${1:-smollm2-135m}
+TOKENS=${2:-96}
+ROUNDS=${3:-2}
+L=${LAYERS:-30}
+DCD=${DCD:-target/release/dcd}
+[ -x "$DCD" ] || cargo build --release --locked -p dcd
+if [ ! -e "$MODEL" ]; then
+    MODEL=${DCD_DATA_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/dcd}/models/$MODEL
+fi
+work=$(mktemp -d)
+daemons=()
+stop_all() {
+    for p in "${daemons[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    daemons=()
+}
+trap 'stop_all; rm -rf "$work"' EXIT
+
+start() { # dir name layers extra...
+    local dir=$1 name=$2 layers=$3
+    shift 3
+    "$DCD" join --model "$MODEL" --layers "$layers" --listen /ip4/127.0.0.1/tcp/0 --no-mdns \
+        --api 127.0.0.1:0 --data-dir "$dir/$name" --announce-secs 0.5 --no-selftest "$@" \
+        >"$dir/$name.out" 2>"$dir/$name.err" &
+    daemons+=($!)
+    for _ in $(seq 600); do
+        grep -q "^serving layers" "$dir/$name.out" 2>/dev/null && return
+        sleep 0.1
+    done
+    echo "daemon $name did not start:" >&2
+    cat "$dir/$name.err" >&2
+    exit 1
+}
+
+swarm() { # rate: one round of 3 generations with audit and spot-check rates `rate`
+    local rate=$1 dir
+    dir=$(mktemp -d -p "$work")
+    local a=$((L / 3)) b=$((2 * L / 3))
+    start "$dir" head "0..$a" --spot-check-rate "$rate"
+    local boot api
+    boot=$(grep -m1 "listening on /ip4/127.0.0.1/tcp" "$dir/head.out" | awk '{print $3}')
+    for n in 1 2; do
+        start "$dir" "mid$n" "$a..$b" --no-head --bootstrap "$boot"
+        start "$dir" "tail$n" "$b..$L" --no-head --bootstrap "$boot"
+    done
+    api=$(grep -m1 "^control API on" "$dir/head.out" | awk '{print $4}')
+    sleep 3
+    for seed in 1 2 3; do
+        local s e
+        s=$(date +%s.%N)
+        "$DCD" generate --api "$api" --prompt-ids 5,17,99,3,250,41,7,0,12 \
+            --max-new-tokens "$TOKENS" --ignore-eos --seed "$seed" --audit-rate "$rate" \
+            --json >/dev/null
+        e=$(date +%s.%N)
+        python3 -c "print('rates $rate, generation $seed: %.1f ms/token' % (($e - $s) * 1000 / $TOKENS))"
+    done
+    curl -s "$api/status" | python3 -c "
+import json, sys
+a = json.load(sys.stdin)['audits']
+print('  audits', {k: a[k] for k in ['run', 'failed', 'from_cache', 'from_cache_bytes']},
+      'spot checks', a['spot_checks'])"
+    stop_all
+}
+
+for _ in $(seq "$ROUNDS"); do
+    swarm 0
+    swarm 0.1
+done
