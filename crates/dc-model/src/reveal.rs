@@ -113,6 +113,11 @@ impl CacheLog {
         self.rows.iter().map(|r| r.len()).sum()
     }
 
+    /// Bytes of one position's row in one layer (0 before anything is logged).
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
     /// The rows of `layer` at positions `0..end`, if logged.
     pub fn rows(&self, layer: usize, end: usize) -> Option<&[u8]> {
         self.rows_between(layer, 0, end)

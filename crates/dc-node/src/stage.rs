@@ -471,6 +471,17 @@ pub async fn serve_cache_rows(
     if from > end {
         return Err(format!("positions {from}..{end} are backwards"));
     }
+    // Sized before anything is copied.
+    let bytes = (end - from)
+        .saturating_mul(log.row_bytes())
+        .saturating_mul(layers.as_range().len());
+    let limit = node.cfg.max_message_bytes / 2;
+    if bytes > limit {
+        return Err(format!(
+            "{bytes} bytes of cache rows: over half the {} byte message limit",
+            limit * 2
+        ));
+    }
     let rows = layers
         .as_range()
         .map(|l| {
@@ -479,14 +490,6 @@ pub async fn serve_cache_rows(
                 .ok_or_else(|| format!("layer {l} holds fewer than {end} positions here"))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let bytes: usize = rows.iter().map(Vec::len).sum();
-    let limit = node.cfg.max_message_bytes / 2;
-    if bytes > limit {
-        return Err(format!(
-            "{bytes} bytes of cache rows: over half the {} byte message limit",
-            limit * 2
-        ));
-    }
     Ok(rows)
 }
 
