@@ -14,6 +14,15 @@ use serde_json::Value;
 
 const PROMPT: &str = "5,17,99,3,250,41,7,0,12";
 
+/// Every kind of lie the test-only faulty peer tells (`hide` has its own test).
+const LIES: [&str; 5] = [
+    "flip-bit",
+    "skip-layer",
+    "other-weights",
+    "stale:0.5",
+    "attention",
+];
+
 /// `dcd generate` of the test prompt with `source` (`--model M` or `--api URL`) and `extra`.
 fn run(source: &[&str], extra: &[&str], max_new: &str, seed: &str, t: &str) -> Value {
     let mut args = source.to_vec();
@@ -93,13 +102,7 @@ fn lie_is_caught(model: &Path, head_extra: &[&str], fault: &str) -> Value {
 #[test]
 fn every_kind_of_lie_is_caught_proven_and_excluded() {
     let model = fixtures().join("llama");
-    for fault in [
-        "flip-bit",
-        "skip-layer",
-        "other-weights",
-        "stale:0.5",
-        "attention",
-    ] {
+    for fault in LIES {
         let extra = ["--audit-rate", "1", "--spot-check-rate", "0"];
         let audits = lie_is_caught(&model, &extra, fault);
         assert!(audits["failed"].as_u64().unwrap() >= 1, "{fault}: {audits}");
@@ -112,13 +115,7 @@ fn spot_checks_alone_catch_every_kind_of_lie() {
     // No replay audits: only revealed rows, Freivalds' test, the attention and the glue
     // recomputed.
     let model = fixtures().join("qwen2");
-    for fault in [
-        "flip-bit",
-        "skip-layer",
-        "other-weights",
-        "stale:0.5",
-        "attention",
-    ] {
+    for fault in LIES {
         let extra = ["--audit-rate", "0", "--spot-check-rate", "1"];
         let audits = lie_is_caught(&model, &extra, fault);
         let spot = &audits["spot_checks"];

@@ -530,20 +530,7 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
     if let Some(rows) = req.cache {
         return audit_from_cache(node, req.layers, req.session, rows, hops).await;
     }
-    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
-        req.session,
-        req.layers,
-        first,
-        &cfg,
-        node.cfg.max_generations,
-    );
-    let mut cache = taken.map_err(|(_, why)| format!("audit session: {why}"))?;
-    let _permit = node
-        .compute
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| "shutting down")?;
+    let (mut cache, _permit) = session_cache(&node, req.session, req.layers, first).await?;
     let replayed = next - first;
     let n2 = node.clone();
     let ran = tokio::task::spawn_blocking(move || {
@@ -598,21 +585,7 @@ async fn audit_from_cache(
             ))
         }
     };
-    let cfg = node.model_cfg.clone();
-    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
-        session,
-        layers,
-        rows.from as usize,
-        &cfg,
-        node.cfg.max_generations,
-    );
-    let mut cache = taken.map_err(|(_, why)| format!("audit session: {why}"))?;
-    let _permit = node
-        .compute
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| "shutting down")?;
+    let (mut cache, _permit) = session_cache(&node, session, layers, rows.from as usize).await?;
     let n2 = node.clone();
     let rows_run = x.rows();
     let ran = tokio::task::spawn_blocking(move || {
@@ -648,4 +621,32 @@ async fn audit_from_cache(
         .unwrap_or_else(|e| e.into_inner())
         .put(session, cache);
     trace
+}
+
+/// An audit session's cache holding `from` positions (a fresh one for 0), and a compute permit
+/// to run on it.
+async fn session_cache(
+    node: &Arc<Node>,
+    session: GenerationId,
+    layers: LayerRange,
+    from: usize,
+) -> Result<(KvCache, tokio::sync::OwnedSemaphorePermit), String> {
+    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
+        session,
+        layers,
+        from,
+        &node.model_cfg,
+        node.cfg.max_generations,
+    );
+    let cache = taken.map_err(|(_, why)| format!("audit session: {why}"))?;
+    match node.compute.clone().acquire_owned().await {
+        Ok(permit) => Ok((cache, permit)),
+        Err(_) => {
+            node.caches
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .put(session, None);
+            Err("shutting down".into())
+        }
+    }
 }
