@@ -417,6 +417,68 @@ pub fn time_gemm(
     })
 }
 
+/// What committing costs one product shape: the plain product, the product keeping its exact
+/// accumulators, and that plus the commitment a stage signs (row encodings, blake3 leaves,
+/// Merkle root), each the median seconds of runs taking turns.
+#[derive(Clone, Debug)]
+pub struct CommitTiming {
+    /// Plain product (f32 out only).
+    pub plain: f64,
+    /// The product also handing back its exact accumulators.
+    pub exact: f64,
+    /// The exact product and its commitment.
+    pub committed: f64,
+}
+
+impl CommitTiming {
+    /// Extra time of keeping exact accumulators, as a fraction of the plain product.
+    pub fn exact_share(&self) -> f64 {
+        self.exact / self.plain - 1.0
+    }
+    /// Extra time of hashing them into a commitment, as a fraction of the plain product.
+    pub fn hash_share(&self) -> f64 {
+        (self.committed - self.exact) / self.plain
+    }
+}
+
+/// Times a product of `m × k × n` three ways, taking turns so the machine's drift hits each
+/// alike (see [`CommitTiming`]); weights warm (a prefill's cost is what commitments add to).
+pub fn time_commitment(
+    gemm: &Gemm,
+    m: usize,
+    k: usize,
+    n: usize,
+    time: Duration,
+) -> crate::Result<CommitTiming> {
+    let mut rng = SplitMix64::new((m * 31 + k * 7 + n) as u64);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+    let w: Vec<f32> = (0..k * n).map(|_| rng.normal() * 0.05).collect();
+    let packed = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "bench")?;
+    let qx = QuantizedRows::quantize(&x, m, k, "bench")?;
+    let mut out = vec![0f32; m * n];
+    gemm.matmul(&qx, &packed, &mut out)?; // warm up
+    let (mut plain, mut exact, mut committed) = (Vec::new(), Vec::new(), Vec::new());
+    let start = Instant::now();
+    while start.elapsed() < time || plain.len() < 3 {
+        let t = Instant::now();
+        gemm.matmul(&qx, &packed, &mut out)?;
+        plain.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        black_box(gemm.matmul_exact(&qx, &packed, &mut out)?);
+        exact.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let acc = gemm.matmul_exact(&qx, &packed, &mut out)?;
+        black_box(gemm.commit_from(&acc, 0, 0));
+        committed.push(t.elapsed().as_secs_f64());
+    }
+    black_box(&out);
+    Ok(CommitTiming {
+        plain: median(&mut plain),
+        exact: median(&mut exact),
+        committed: median(&mut committed),
+    })
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

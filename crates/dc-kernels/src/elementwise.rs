@@ -52,6 +52,12 @@ pub fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [
 /// sequential in index order (for attention: absolute key order). An all-masked row becomes
 /// all zeros.
 pub fn softmax(x: &mut [f32]) {
+    softmax_with(x, &mut Vec::new());
+}
+
+/// [`softmax`] with a caller's scratch buffer: each `exp` is taken once and kept in `exps`
+/// (the same libm call on the same input, so the same bits as taking it twice).
+pub fn softmax_with(x: &mut [f32], exps: &mut Vec<f64>) {
     let max = x
         .iter()
         .copied()
@@ -62,18 +68,26 @@ pub fn softmax(x: &mut [f32]) {
         return;
     }
     let max = max as f64;
+    exps.clear();
+    exps.extend(x.iter().map(|&v| {
+        if v == f32::NEG_INFINITY {
+            0.0
+        } else {
+            libm::exp(v as f64 - max)
+        }
+    }));
+    // Summed in order, skipping the masked values, exactly as the definition does.
     let mut sum = 0f64;
-    // Two passes over exp rather than a scratch buffer: the same libm call gives the same bits.
-    for &v in x.iter() {
+    for (&v, &e) in x.iter().zip(exps.iter()) {
         if v != f32::NEG_INFINITY {
-            sum += libm::exp(v as f64 - max);
+            sum += e;
         }
     }
-    for v in x.iter_mut() {
+    for (v, &e) in x.iter_mut().zip(exps.iter()) {
         *v = if *v == f32::NEG_INFINITY {
             0.0
         } else {
-            (libm::exp(*v as f64 - max) / sum) as f32
+            (e / sum) as f32
         };
     }
 }
@@ -176,6 +190,51 @@ mod tests {
         let mut all = [f32::NEG_INFINITY; 3];
         softmax(&mut all);
         assert_eq!(all, [0.0; 3]);
+    }
+
+    /// The definition, taking each `exp` twice as NUMERICS.md states it.
+    fn softmax_definition(x: &mut [f32]) {
+        let max = x
+            .iter()
+            .copied()
+            .filter(|v| *v != f32::NEG_INFINITY)
+            .fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            x.fill(0.0);
+            return;
+        }
+        let max = max as f64;
+        let sum: f64 = x
+            .iter()
+            .filter(|v| **v != f32::NEG_INFINITY)
+            .fold(0.0, |s, &v| s + libm::exp(v as f64 - max));
+        for v in x.iter_mut() {
+            *v = if *v == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (libm::exp(*v as f64 - max) / sum) as f32
+            };
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn softmax_keeping_each_exp_is_the_definition(
+            x in proptest::collection::vec(
+                proptest::prop_oneof![
+                    -100f32..100.0,
+                    proptest::strategy::Just(f32::NEG_INFINITY),
+                    -1e30f32..1e30,
+                ],
+                0..300,
+            )
+        ) {
+            let (mut fast, mut slow) = (x.clone(), x);
+            softmax(&mut fast);
+            softmax_definition(&mut slow);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits(&fast), bits(&slow));
+        }
     }
 
     #[test]

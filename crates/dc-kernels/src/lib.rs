@@ -17,6 +17,7 @@ pub mod exact;
 pub mod freivalds;
 pub mod gemm;
 pub mod golden;
+pub mod int8;
 pub mod pack;
 pub mod quant;
 pub mod reveal;

@@ -10,13 +10,16 @@
 //!   Keys outside the causal or sliding window are exact zeros.
 
 use dc_kernels::commit::{exact_row_leaf, gemm_commitment, merkle_root};
-use dc_kernels::elementwise::softmax;
+use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
+use dc_kernels::int8;
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
 use dc_kernels::{Commitment, Domain};
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
+
+mod reference;
 
 /// The quantised keys and values of one layer for one generation.
 #[derive(Clone, Debug)]
@@ -397,10 +400,47 @@ pub struct AttentionLeaves {
     pub context: Vec<Commitment>,
 }
 
+/// Per-head attention kernels. Every kernel gives the same bits (property-tested against the
+/// reference); the choice is for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// The value-by-value definition (NUMERICS.md §2).
+    Reference,
+    /// Scratch buffers reused per worker, each `exp` once, vectorisable inner loops.
+    #[default]
+    Fast,
+}
+
 /// [`attend`], also committing to the exact values of both products for the positions from
 /// `commit_from` on, when given; `leaves` receives each committed row's leaves.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_committed(
+    shape: AttentionShape,
+    cache: &LayerCache,
+    q: &[f32],
+    start: usize,
+    out: &mut [f32],
+    layer: usize,
+    commit_from: Option<usize>,
+    leaves: Option<&mut AttentionLeaves>,
+) -> Result<Option<AttentionCommitments>> {
+    attend_committed_with(
+        AttentionKernel::Fast,
+        shape,
+        cache,
+        q,
+        start,
+        out,
+        layer,
+        commit_from,
+        leaves,
+    )
+}
+
+/// [`attend_committed`] with a chosen per-head kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_committed_with(
+    kernel: AttentionKernel,
     shape: AttentionShape,
     cache: &LayerCache,
     q: &[f32],
@@ -421,26 +461,28 @@ pub fn attend_committed(
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let group = heads / shape.kv_heads;
-    let one = |(idx, o): (usize, &mut [f32])| {
+    let one = |scratch: &mut HeadScratch, (idx, o): (usize, &mut [f32])| {
         let (t, h) = (idx / heads, idx % heads);
         let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
         let mut ex = commit_from
             .is_some_and(|f| start + t >= f)
             .then(HeadExact::default);
-        head_attention(
-            cache,
-            qh,
-            h / group,
-            start + t,
-            shape.window,
-            scale,
-            o,
-            ex.as_mut(),
-        )?;
+        let (g, pos, window) = (h / group, start + t, shape.window);
+        match kernel {
+            AttentionKernel::Reference => {
+                reference::head_attention(cache, qh, g, pos, window, scale, o, ex.as_mut())
+            }
+            AttentionKernel::Fast => {
+                head_attention(cache, qh, g, pos, window, scale, o, ex.as_mut(), scratch)
+            }
+        }?;
         Ok(ex)
     };
-    let results: Vec<Result<Option<HeadExact>, String>> =
-        out.par_chunks_mut(hd).enumerate().map(one).collect();
+    let results: Vec<Result<Option<HeadExact>, String>> = out
+        .par_chunks_mut(hd)
+        .enumerate()
+        .map_init(HeadScratch::default, one)
+        .collect();
     let mut exact = Vec::with_capacity(results.len());
     for r in results {
         match r {
@@ -482,7 +524,23 @@ pub fn attend_committed(
     Ok(Some(commitments))
 }
 
-/// One query head at absolute position `pos`.
+/// Widest head the fast kernel takes, in blocks (head_dim 256); wider heads use the reference.
+const FAST_MAX_BLOCKS: usize = 8;
+
+/// Buffers one worker reuses across the heads it runs.
+#[derive(Default)]
+struct HeadScratch {
+    qq: Vec<i8>,
+    qs: Vec<BlockScale>,
+    scores: Vec<f32>,
+    exps: Vec<f64>,
+    acc: Vec<i32>,
+    ctx_terms: Vec<(i64, i32)>,
+}
+
+/// One query head at absolute position `pos`: the same values as
+/// [`reference::head_attention`] (property-tested bit for bit), without its per-head
+/// allocations, with each `exp` taken once and the inner loops shaped for vector units.
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     cache: &LayerCache,
@@ -493,71 +551,87 @@ fn head_attention(
     scale: f32,
     out: &mut [f32],
     mut exact: Option<&mut HeadExact>,
+    scratch: &mut HeadScratch,
 ) -> Result<(), String> {
     let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
-    // Quantise the query head.
-    let mut qq = vec![0i8; hb * BLOCK];
-    let mut qs = Vec::with_capacity(hb);
-    for b in 0..hb {
+    if hb > FAST_MAX_BLOCKS {
+        return reference::head_attention(cache, qh, g, pos, window, scale, out, exact);
+    }
+    let HeadScratch {
+        qq,
+        qs,
+        scores,
+        exps,
+        acc,
+        ctx_terms,
+    } = scratch;
+    qq.clear();
+    qq.resize(hb * BLOCK, 0);
+    qs.clear();
+    for (b, dst) in qq.chunks_exact_mut(BLOCK).enumerate() {
         let vals = &qh[b * BLOCK..((b + 1) * BLOCK).min(hd)];
         if let Some(x) = vals.iter().find(|x| !x.is_finite()) {
             return Err(format!("query value {x} at position {pos}"));
         }
-        let dst: &mut [i8; BLOCK] = (&mut qq[b * BLOCK..(b + 1) * BLOCK])
-            .try_into()
-            .expect("block slice is BLOCK long");
+        let dst: &mut [i8; BLOCK] = dst.try_into().expect("block slice is BLOCK long");
         qs.push(quantize_block(vals, dst));
     }
     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let n = pos + 1 - lo;
     if let Some(e) = exact.as_deref_mut() {
-        // One allocation each instead of a doubling per few pushes.
         e.scores.reserve_exact(n);
         e.context.reserve_exact(hd);
     }
-    // Scores, exact per key, then the f32 scale.
-    let mut scores = vec![0f32; n];
-    let mut terms = Vec::with_capacity(hb);
-    for (s, j) in scores.iter_mut().zip(lo..=pos) {
-        terms.clear();
-        let base = (j * kvh + g) * hb;
-        for b in 0..hb {
-            let kq = &cache.k_q[(base + b) * BLOCK..(base + b + 1) * BLOCK];
-            let d: i32 = qq[b * BLOCK..(b + 1) * BLOCK]
-                .iter()
-                .zip(kq)
-                .map(|(&a, &c)| a as i32 * c as i32)
-                .sum();
-            let (sq, sk) = (qs[b], cache.k_s[base + b]);
-            terms.push((
-                d as i64 * sq.m as i64 * sk.m as i64,
+    // Scores: per key, hb block products, summed exactly, then the f32 scale.
+    let want_exact = exact.is_some();
+    let key_bytes = hb * BLOCK;
+    let keys = &cache.k_q[(lo * kvh + g) * key_bytes..];
+    let key_scales = &cache.k_s[(lo * kvh + g) * hb..];
+    let stride = kvh * key_bytes;
+    scores.clear();
+    for i in 0..n {
+        let kq = &keys[i * stride..i * stride + key_bytes];
+        let ks = &key_scales[i * kvh * hb..i * kvh * hb + hb];
+        let mut terms = [(0i64, 0i32); FAST_MAX_BLOCKS];
+        for (b, (t, (qb, kb))) in terms
+            .iter_mut()
+            .zip(qq.chunks_exact(BLOCK).zip(kq.chunks_exact(BLOCK)))
+            .enumerate()
+        {
+            let d = int8::block_dot(
+                qb.try_into().expect("BLOCK long"),
+                kb.try_into().expect("BLOCK long"),
+            );
+            let (sq, sk) = (qs[b], ks[b]);
+            *t = (
+                d as i64 * (sq.m as i64 * sk.m as i64),
                 sq.e as i32 + sk.e as i32,
-            ));
+            );
         }
-        let (dot, ex) = sum_terms(&terms, exact.is_some())
-            .ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
+        let (dot, ex) = sum_terms(&terms[..hb], want_exact)
+            .ok_or_else(|| format!("score of key {} overflows f32 at position {pos}", lo + i))?;
         if let (Some(e), Some(v)) = (exact.as_deref_mut(), ex) {
             e.scores.push(v);
         }
-        *s = dot * scale;
+        scores.push(dot * scale);
     }
-    softmax(&mut scores);
+    softmax_with(scores, exps);
     // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions.
-    let first_block = lo / BLOCK;
-    let last_block = pos / BLOCK;
-    let mut acc = vec![0i32; hd];
-    // The block terms of every output in one allocation, output-major: `blocks` places per
-    // output, of which the first `used` are filled (a block of all-zero P' adds no term to any
-    // output), in block order.
+    let (first_block, last_block) = (lo / BLOCK, pos / BLOCK);
     let blocks = last_block + 1 - first_block;
-    let mut ctx_terms = vec![(0i64, 0i32); hd * blocks];
+    acc.clear();
+    acc.resize(hd, 0);
+    ctx_terms.clear();
+    ctx_terms.resize(hd * blocks, (0, 0));
     let mut used = 0;
-    let mut pv: Vec<f64> = Vec::with_capacity(BLOCK);
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
-        pv.clear();
-        pv.extend((j0..=j1).map(|j| scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32)));
-        let amax = pv.iter().fold(0f64, |m, &x| m.max(x));
+        let mut pv = [0f64; BLOCK];
+        let mut amax = 0f64;
+        for (p, j) in pv.iter_mut().zip(j0..=j1) {
+            *p = scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32);
+            amax = amax.max(*p);
+        }
         if amax == 0.0 {
             continue;
         }
@@ -566,18 +640,15 @@ fn head_attention(
         let m = s.m as f64;
         acc.fill(0);
         for (j, &p) in (j0..=j1).zip(&pv) {
-            // (p · 2^-e) is exact; the quotient by m is correctly rounded and, p having at most
-            // 24 significant bits, cannot create or destroy a tie.
-            let qp = round_half_even((p * inv) / m).min(QMAX as f64) as i32;
+            // As in the reference: exact scaling, one correctly rounded division.
+            let qp = round_half_even((p * inv) / m).min(QMAX as f64) as i8;
             if qp == 0 {
                 continue;
             }
             let vrow = &cache.v_q[(j * kvh + g) * hd..(j * kvh + g + 1) * hd];
-            for (a, &v) in acc.iter_mut().zip(vrow) {
-                *a += qp * v as i32;
-            }
+            int8::add_scaled(acc, qp, vrow);
         }
-        for (t, &a) in ctx_terms.chunks_exact_mut(blocks).zip(&acc) {
+        for (t, &a) in ctx_terms.chunks_exact_mut(blocks).zip(acc.iter()) {
             t[used] = (a as i64 * s.m as i64, s.e as i32);
         }
         used += 1;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use dc_kernels::bench::{int8_peak_gops, read_bandwidth_gbs, time_gemm};
+use dc_kernels::bench::{int8_peak_gops, read_bandwidth_gbs, time_commitment, time_gemm};
 use dc_kernels::{Gemm, Kernel};
 use serde_json::json;
 
@@ -107,14 +107,33 @@ pub fn gemm(global: &Global, args: &BenchGemmArgs) -> Result<ExitCode> {
                     100.0 * frac_bw,
                     r.quantise_seconds * 1e3,
                 ));
-                results.push(json!({
+                let mut row = json!({
                     "kernel": kernel.name(), "threads": t, "m": m, "k": k, "n": n,
                     "gops": r.gops(), "seconds": r.seconds,
                     "weight_gbs": r.weight_gbs(),
                     "fraction_of_peak": frac_peak,
                     "fraction_of_bandwidth": frac_bw,
                     "quantise_activations_seconds": r.quantise_seconds,
-                }));
+                });
+                if args.commit {
+                    let c = time_commitment(&g, m, k, n, time)?;
+                    log(format!(
+                        "{:<7} threads {t}  {m:>4}×{k:>5}×{n:>6}  committed: exact accumulators \
+                         {:+.1} %, hashing {:+.1} % of the plain product ({:.3} ms)",
+                        kernel.name(),
+                        100.0 * c.exact_share(),
+                        100.0 * c.hash_share(),
+                        c.plain * 1e3,
+                    ));
+                    row["commitment"] = json!({
+                        "plain_seconds": c.plain,
+                        "exact_seconds": c.exact,
+                        "committed_seconds": c.committed,
+                        "exact_share": c.exact_share(),
+                        "hash_share": c.hash_share(),
+                    });
+                }
+                results.push(row);
             }
         }
     }

@@ -1,0 +1,102 @@
+//! Time of one decode row's exact attention (SmolLM2-135M's shape: 9 query heads, 3 key/value
+//! heads of 64) at several context lengths, on one thread, with and without commitments, for
+//! the fast kernel and the reference measured in the same run (the ratio is the figure; both
+//! give the same bits). `cargo bench -p dc-model --bench attention`.
+
+use std::time::Instant;
+
+use dc_model::attention::{
+    attend_committed_with, AttentionKernel, AttentionLeaves, AttentionShape, LayerCache,
+};
+
+const SHAPE: AttentionShape = AttentionShape {
+    heads: 9,
+    kv_heads: 3,
+    head_dim: 64,
+    window: None,
+};
+
+/// Deterministic values in about ±2 with a few larger ones, like real keys.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = (s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0;
+            if i % 17 == 0 {
+                x * 6.0
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+/// Timed calls per sample.
+const ROUNDS: usize = 40;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool");
+    let kv = SHAPE.kv_heads * SHAPE.head_dim;
+    let qw = SHAPE.heads * SHAPE.head_dim;
+    for ctx in [64usize, 256, 1024] {
+        let mut cache = LayerCache::new(SHAPE.kv_heads, SHAPE.head_dim);
+        cache
+            .append(&values(ctx * kv, 1), &values(ctx * kv, 2))
+            .expect("append");
+        let q = values(qw, 3);
+        for commit in [false, true] {
+            let time = |kernel| {
+                let mut out = vec![0f32; qw];
+                let samples: Vec<f64> = (0..ROUNDS)
+                    .map(|_| {
+                        let mut leaves = AttentionLeaves::default();
+                        let s = Instant::now();
+                        pool.install(|| {
+                            attend_committed_with(
+                                kernel,
+                                SHAPE,
+                                &cache,
+                                &q,
+                                ctx - 1,
+                                &mut out,
+                                0,
+                                commit.then_some(ctx - 1),
+                                commit.then_some(&mut leaves),
+                            )
+                        })
+                        .expect("attention");
+                        s.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                median(samples)
+            };
+            // Interleaved so the machine's drift hits both alike.
+            let (mut fast, mut reference) = (Vec::new(), Vec::new());
+            for _ in 0..5 {
+                reference.push(time(AttentionKernel::Reference));
+                fast.push(time(AttentionKernel::Fast));
+            }
+            let (fast, reference) = (median(fast), median(reference));
+            println!(
+                "context {ctx:5}{}: fast {:8.1} µs per row ({:5.1} ns per head and key), \
+                 reference {:8.1} µs: {:.2}× faster",
+                if commit { " committed" } else { "          " },
+                fast * 1e6,
+                fast * 1e9 / (ctx * SHAPE.heads) as f64,
+                reference * 1e6,
+                reference / fast
+            );
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! The fast attention kernel against the reference, bit for bit: outputs, both commitments and
+//! every committed row's leaves, over random shapes (head widths that are and are not whole
+//! blocks, grouped queries, sliding windows), hop lengths, positions and value ranges (tiny,
+//! huge, all-zero heads: every exact-sum path).
+
+use dc_model::attention::{
+    attend_committed_with, AttentionKernel, AttentionLeaves, AttentionShape, LayerCache,
+};
+use proptest::prelude::*;
+
+/// Deterministic values from `seed`: mostly about ±`scale`, some zeros, a few 2^±20 outliers.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale;
+            match s % 23 {
+                0 => 0.0,
+                1 => x * 1048576.0,
+                2 => x / 1048576.0,
+                _ => x,
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    cached: usize,
+    rows: usize,
+    commit_from: Option<usize>,
+    scale: f32,
+    zero_head: bool,
+    seed: u64,
+}
+
+fn cases() -> impl Strategy<Value = Case> {
+    (
+        1usize..4,
+        1usize..4,
+        prop::sample::select(vec![8usize, 32, 40, 64, 80, 128]),
+        prop::option::of(1usize..80),
+        0usize..100,
+        1usize..6,
+        prop::option::of(0usize..8),
+        prop::sample::select(vec![1e-3f32, 1.0, 30.0, 1e4]),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(kv_heads, group, head_dim, window, cached, rows, commit, scale, zero_head, seed)| {
+                Case {
+                    kv_heads,
+                    group,
+                    head_dim,
+                    window,
+                    cached,
+                    rows,
+                    commit_from: commit.map(|c| cached + c.min(rows - 1)),
+                    scale,
+                    zero_head,
+                    seed,
+                }
+            },
+        )
+}
+
+fn run(c: &Case, kernel: AttentionKernel) -> (Vec<u32>, String) {
+    let shape = AttentionShape {
+        heads: c.kv_heads * c.group,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        window: c.window,
+    };
+    let n = c.cached + c.rows;
+    let kv = c.kv_heads * c.head_dim;
+    let mut k = values(n * kv, c.seed, c.scale);
+    let mut v = values(n * kv, c.seed ^ 1, c.scale);
+    if c.zero_head {
+        // A position whose first kv head is all zeros (zero scales, zero exponent).
+        let p = c.seed as usize % n;
+        k[p * kv..p * kv + c.head_dim].fill(0.0);
+        v[p * kv..p * kv + c.head_dim].fill(0.0);
+    }
+    let mut cache = LayerCache::new(c.kv_heads, c.head_dim);
+    cache.append(&k, &v).expect("append");
+    let q = values(c.rows * shape.heads * c.head_dim, c.seed ^ 2, c.scale);
+    let mut out = vec![0f32; q.len()];
+    let mut leaves = AttentionLeaves::default();
+    let done = attend_committed_with(
+        kernel,
+        shape,
+        &cache,
+        &q,
+        c.cached,
+        &mut out,
+        3,
+        c.commit_from,
+        Some(&mut leaves),
+    );
+    let summary = match done {
+        Ok(commitments) => format!("{commitments:?} {leaves:?}"),
+        Err(e) => format!("error: {e}"),
+    };
+    (out.iter().map(|x| x.to_bits()).collect(), summary)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn the_fast_kernel_is_the_reference_bit_for_bit(c in cases()) {
+        let (fast_out, fast) = run(&c, AttentionKernel::Fast);
+        let (ref_out, reference) = run(&c, AttentionKernel::Reference);
+        prop_assert_eq!(fast, reference);
+        prop_assert_eq!(fast_out, ref_out);
+    }
+}
+
+#[test]
+fn both_kernels_refuse_a_non_finite_query_alike() {
+    let c = Case {
+        kv_heads: 1,
+        group: 2,
+        head_dim: 64,
+        window: None,
+        cached: 3,
+        rows: 1,
+        commit_from: Some(3),
+        scale: 1.0,
+        zero_head: false,
+        seed: 7,
+    };
+    let shape = AttentionShape {
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 64,
+        window: None,
+    };
+    let mut cache = LayerCache::new(1, 64);
+    cache
+        .append(&values(4 * 64, 1, 1.0), &values(4 * 64, 2, 1.0))
+        .expect("append");
+    let mut q = values(128, 3, 1.0);
+    q[70] = f32::NAN;
+    let errors: Vec<String> = [AttentionKernel::Fast, AttentionKernel::Reference]
+        .into_iter()
+        .map(|kernel| {
+            let mut out = vec![0f32; 128];
+            attend_committed_with(kernel, shape, &cache, &q, c.cached, &mut out, 3, None, None)
+                .expect_err("a NaN query is refused")
+                .to_string()
+        })
+        .collect();
+    assert!(errors[0].contains("query value NaN"), "{}", errors[0]);
+    assert_eq!(errors[0], errors[1]);
+}
