@@ -1,5 +1,6 @@
 //! Time of one decode row's exact attention (SmolLM2-135M's shape: 9 query heads, 3 key/value
-//! heads of 64) at several context lengths, on one thread, with and without commitments, for
+//! heads of 64; Llama-2-7B's: 32 heads of 128) at several context lengths, on one thread, with
+//! and without commitments, for
 //! the fast kernel and the reference measured in the same run (the ratio is the figure; both
 //! give the same bits). `cargo bench -p dc-model --bench attention`.
 
@@ -9,12 +10,26 @@ use dc_model::attention::{
     attend_committed_with, AttentionKernel, AttentionLeaves, AttentionShape, LayerCache,
 };
 
-const SHAPE: AttentionShape = AttentionShape {
-    heads: 9,
-    kv_heads: 3,
-    head_dim: 64,
-    window: None,
-};
+const SHAPES: [(&str, AttentionShape); 2] = [
+    (
+        "SmolLM2-135M",
+        AttentionShape {
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            window: None,
+        },
+    ),
+    (
+        "Llama-2-7B",
+        AttentionShape {
+            heads: 32,
+            kv_heads: 32,
+            head_dim: 128,
+            window: None,
+        },
+    ),
+];
 
 /// Deterministic values in about ±2 with a few larger ones, like real keys.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -47,10 +62,16 @@ fn main() {
         .num_threads(1)
         .build()
         .expect("a one-thread pool");
-    let kv = SHAPE.kv_heads * SHAPE.head_dim;
-    let qw = SHAPE.heads * SHAPE.head_dim;
+    for (name, shape) in SHAPES {
+        measure(&pool, name, shape);
+    }
+}
+
+fn measure(pool: &rayon::ThreadPool, name: &str, shape: AttentionShape) {
+    let kv = shape.kv_heads * shape.head_dim;
+    let qw = shape.heads * shape.head_dim;
     for ctx in [64usize, 256, 1024] {
-        let mut cache = LayerCache::new(SHAPE.kv_heads, SHAPE.head_dim);
+        let mut cache = LayerCache::new(shape.kv_heads, shape.head_dim);
         cache
             .append(&values(ctx * kv, 1), &values(ctx * kv, 2))
             .expect("append");
@@ -65,7 +86,7 @@ fn main() {
                         pool.install(|| {
                             attend_committed_with(
                                 kernel,
-                                SHAPE,
+                                shape,
                                 &cache,
                                 &q,
                                 ctx - 1,
@@ -89,11 +110,11 @@ fn main() {
             }
             let (fast, reference) = (median(fast), median(reference));
             println!(
-                "context {ctx:5}{}: fast {:8.1} µs per row ({:5.1} ns per head and key), \
+                "{name} context {ctx:5}{}: fast {:8.1} µs per row ({:5.1} ns per head and key), \
                  reference {:8.1} µs: {:.2}× faster",
                 if commit { " committed" } else { "          " },
                 fast * 1e6,
-                fast * 1e9 / (ctx * SHAPE.heads) as f64,
+                fast * 1e9 / (ctx * shape.heads) as f64,
                 reference * 1e6,
                 reference / fast
             );

@@ -217,8 +217,10 @@ struct SpotCosts {
     kept: f64,
     /// One layer's share of a committed decode hop, seconds.
     layer: f64,
+    /// Tokens between two checks of one layer: `SPOT_GAP`, or the layer count if smaller.
+    gap: usize,
     /// Per checked layer: the stage's reveal and the checker's check, seconds; wire bytes
-    /// (each layer checked every `SPOT_GAP` tokens, holding the cache rows it verified before).
+    /// (each layer checked every `gap` tokens, holding the cache rows it verified before).
     reveal: f64,
     check: f64,
     bytes: f64,
@@ -247,6 +249,7 @@ fn spot_costs(
         .map(|l| dc_model::LayerChecker::new(model, l, &[9; 32]))
         .collect::<dc_model::Result<Vec<_>>>()?;
     let build = s.elapsed().as_secs_f64() / n as f64;
+    let gap = SPOT_GAP.min(n);
     let (mut committed, mut kept) = (Vec::new(), Vec::new());
     let (mut reveal, mut check, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
     let (mut first_check, mut first_bytes) = (Vec::new(), Vec::new());
@@ -282,8 +285,8 @@ fn spot_costs(
         log.record(&caches[1]);
         kept.push(s.elapsed().as_secs_f64());
         hops.push((t, 1));
-        // SPOT_GAP layers spread over the model take turns.
-        let l = (i % SPOT_GAP) * n / SPOT_GAP.min(n);
+        // SPOT_GAP layers spread over the model take turns (every layer, if it has fewer).
+        let l = (i % gap) * n / gap;
         let (c, first) = (&checkers[l], known[l].is_empty());
         let s = Instant::now();
         let r = hop
@@ -307,13 +310,14 @@ fn spot_costs(
         }
     }
     if check.is_empty() {
-        anyhow::bail!("--spot-check needs more than {SPOT_GAP} --decode-tokens");
+        anyhow::bail!("--spot-check needs more than {gap} --decode-tokens");
     }
     let committed = median(&mut committed);
     Ok(SpotCosts {
         committed: 1.0 / committed,
         kept: 1.0 / median(&mut kept),
         layer: committed / n as f64,
+        gap,
         reveal: median(&mut reveal),
         check: median(&mut check),
         bytes: median(&mut bytes),
@@ -393,12 +397,13 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
         if let (Some(c), false) = (&spot, a.json || global.quiet) {
             println!(
                 "{} threads {t} spot checks: keeping decode hops {:.1} % slower than committing; \
-                 per checked layer (each checked every {SPOT_GAP} tokens): reveal {:.0} µs + \
+                 per checked layer (each checked every {} tokens): reveal {:.0} µs + \
                  check {:.0} µs = {:.2} % of the layer's committed decode compute, {:.0} bytes \
                  on the wire; a layer's first check (its whole cache revealed): {:.0} µs, \
                  {:.0} bytes; checker built in {:.0} ms per layer (once)",
                 kernel.name(),
                 100.0 * (c.committed / c.kept - 1.0),
+                c.gap,
                 c.reveal * 1e6,
                 c.check * 1e6,
                 100.0 * (c.reveal + c.check) / c.layer,
@@ -423,7 +428,8 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             "committed_decode_tokens_per_s": committed.map(|c| c.1),
             "spot_check": spot.as_ref().map(|c| json!({
                 "committed_decode_hops_per_s": c.committed, "kept_decode_hops_per_s": c.kept,
-                "layer_decode_s": c.layer, "reveal_s": c.reveal, "check_s": c.check,
+                "layer_decode_s": c.layer, "check_every_tokens": c.gap,
+                "reveal_s": c.reveal, "check_s": c.check,
                 "bytes_per_layer": c.bytes, "checker_build_s": c.build,
                 "first_check_s": c.first_check, "first_bytes": c.first_bytes,
             })),
