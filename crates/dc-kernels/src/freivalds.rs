@@ -78,7 +78,10 @@ fn signed_wide(v: i128) -> u64 {
 /// A signed integer modulo p.
 #[inline]
 fn signed(v: i64) -> u64 {
-    let m = v.unsigned_abs() % P;
+    // |v| <= 2^63 folds below 2^61 + 4, and one conditional subtraction finishes: 2^61 ≡ 1.
+    let a = v.unsigned_abs();
+    let f = (a & P) + (a >> 61);
+    let m = if f >= P { f - P } else { f };
     if v < 0 && m != 0 {
         P - m
     } else {
@@ -87,6 +90,7 @@ fn signed(v: i64) -> u64 {
 }
 
 /// An exact value modulo p.
+#[inline]
 pub fn exact_mod(e: &Exact) -> u64 {
     match e {
         Exact::Small { mant, exp } => times_pow2(signed(*mant), *exp),
@@ -155,17 +159,31 @@ impl FreivaldsKey {
         if values.len() != self.r.len() || row >= x.rows() || x.blocks() * BLOCK != self.u.len() {
             return false;
         }
+        self.output_side(values.iter().map(exact_mod)) == self.input_side(x, row)
+    }
+
+    /// [`Self::check_values`] with the values already reduced modulo p ([`exact_mod`]): what a
+    /// checker decoding a revealed row in one pass hands over.
+    pub fn check_residues(&self, x: &QuantizedRows, row: usize, residues: &[u64]) -> bool {
+        if residues.len() != self.r.len() || row >= x.rows() || x.blocks() * BLOCK != self.u.len() {
+            return false;
+        }
+        self.output_side(residues.iter().copied()) == self.input_side(x, row)
+    }
+
+    /// `C_row · r` from the row's values modulo p, in order.
+    fn output_side(&self, residues: impl Iterator<Item = u64>) -> u64 {
         // Products are below 2^122; `reduce` takes sums below 2^125, so 8 at a time.
         let mut lhs = 0u64;
-        for (vs, rs) in values.chunks(8).zip(self.r.chunks(8)) {
-            let s: u128 = vs
-                .iter()
-                .zip(rs)
-                .map(|(v, &rj)| exact_mod(v) as u128 * rj as u128)
-                .sum();
-            lhs = add(lhs, reduce(s));
+        let mut sum = 0u128;
+        for (i, (v, &rj)) in residues.zip(&self.r).enumerate() {
+            sum += v as u128 * rj as u128;
+            if i % 8 == 7 {
+                lhs = add(lhs, reduce(sum));
+                sum = 0;
+            }
         }
-        lhs == self.input_side(x, row)
+        add(lhs, reduce(sum))
     }
 
     /// `x_row · (W · r)`.
@@ -235,6 +253,25 @@ mod tests {
             assert_eq!(signed_wide(v), want, "{v}");
         }
         assert_eq!(add(signed(-3), 3), 0);
+        // The folding reduction is `%` for every i64, at the edges and at random.
+        let mut rng = crate::rng::SplitMix64::new(3);
+        let edges = [
+            0,
+            1,
+            -1,
+            P as i64,
+            -(P as i64),
+            P as i64 + 1,
+            i64::MAX,
+            i64::MIN,
+        ];
+        for v in edges
+            .into_iter()
+            .chain((0..100_000).map(|_| rng.next_u64() as i64))
+        {
+            let m = (v as i128).rem_euclid(P as i128) as u64;
+            assert_eq!(signed(v), m, "{v}");
+        }
         let w = Exact::Wide {
             neg: true,
             mag: vec![5, 1],

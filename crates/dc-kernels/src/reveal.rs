@@ -89,6 +89,56 @@ pub fn decode_row(bytes: &[u8], cols: usize) -> Result<Vec<Exact>, String> {
     Ok(out)
 }
 
+/// A revealed row decoded for a check: each value modulo Freivalds' prime
+/// ([`crate::freivalds::exact_mod`]) and rounded to f32 as the stage's epilogue rounded it
+/// ([`rounded`]). The same numbers as [`decode_row`] then those two maps, in one pass over the
+/// bytes and without building the exact values (property-tested against that).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckedRow {
+    /// Each value modulo p.
+    pub residues: Vec<u64>,
+    /// Each value rounded to f32.
+    pub rounded: Vec<f32>,
+}
+
+/// Decodes a row of `cols` canonical encodings for a check (see [`CheckedRow`]); refuses what
+/// [`decode_row`] refuses, and a value that overflows f32 (no honest epilogue produces one).
+pub fn decode_for_check(bytes: &[u8], cols: usize) -> Result<CheckedRow, String> {
+    use crate::freivalds::exact_mod;
+    let overflow = |c: usize| format!("value {c} overflows f32");
+    if bytes.len() == cols * 12 {
+        let mut row = CheckedRow {
+            residues: Vec::with_capacity(cols),
+            rounded: Vec::with_capacity(cols),
+        };
+        for (c, rec) in bytes.chunks_exact(12).enumerate() {
+            let (m, e) = rec.split_at(8);
+            let mant = i64::from_le_bytes(m.try_into().expect("8 bytes"));
+            let exp = i32::from_le_bytes(e.try_into().expect("4 bytes"));
+            if exp == i32::MIN {
+                // A wide value: the general path below.
+                row.residues.clear();
+                break;
+            }
+            let v = Exact::Small { mant, exp };
+            row.residues.push(exact_mod(&v));
+            row.rounded.push(rounded(&v).ok_or_else(|| overflow(c))?);
+        }
+        if row.residues.len() == cols {
+            return Ok(row);
+        }
+    }
+    let values = decode_row(bytes, cols)?;
+    Ok(CheckedRow {
+        residues: values.iter().map(exact_mod).collect(),
+        rounded: values
+            .iter()
+            .enumerate()
+            .map(|(c, v)| rounded(v).ok_or_else(|| overflow(c)))
+            .collect::<Result<_, _>>()?,
+    })
+}
+
 /// The next `N` bytes of `rest`, if there are that many.
 fn take<const N: usize>(rest: &mut &[u8]) -> Option<[u8; N]> {
     let (a, b) = rest.split_first_chunk::<N>()?;
@@ -170,6 +220,55 @@ mod tests {
         let bytes = values_encoding(&v);
         assert_eq!(decode_row(&bytes, v.len()), Ok(v.clone()));
         assert_eq!(leaf_of_encoding(9, v.len(), &bytes), exact_row_leaf(9, &v));
+    }
+
+    /// `decode_row`, then `exact_mod` and `rounded` value by value.
+    fn checked_by_definition(bytes: &[u8], cols: usize) -> Result<CheckedRow, String> {
+        let values = decode_row(bytes, cols)?;
+        Ok(CheckedRow {
+            residues: values.iter().map(crate::freivalds::exact_mod).collect(),
+            rounded: values
+                .iter()
+                .enumerate()
+                .map(|(c, v)| rounded(v).ok_or_else(|| format!("value {c} overflows f32")))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    #[test]
+    fn decoding_for_a_check_is_decoding_then_reducing_and_rounding() {
+        let mut rng = crate::rng::SplitMix64::new(11);
+        for i in 0..3000u64 {
+            let cols = (rng.next_u64() % 40) as usize;
+            let values: Vec<Exact> = (0..cols)
+                .map(|_| match rng.next_u64() % 16 {
+                    0 => Exact::ZERO,
+                    // Wide: needs more than 63 bits.
+                    1 => Exact::from_i128(((rng.next_u64() as i128) << 40) | 1, -60),
+                    // Past the f32 range once rounded.
+                    2 if i % 7 == 0 => Exact::from_i64(3, 200),
+                    3 => Exact::from_i64(rng.next_u64() as i64, -((rng.next_u64() % 1200) as i32)),
+                    _ => Exact::from_i64(
+                        (rng.next_u64() >> 20) as i64 - (1 << 43),
+                        (rng.next_u64() % 80) as i32 - 60,
+                    ),
+                })
+                .collect();
+            let mut bytes = values_encoding(&values);
+            if i % 13 == 0 && !bytes.is_empty() {
+                // Malformed: cut short or one byte too many.
+                if i % 2 == 0 {
+                    bytes.pop();
+                } else {
+                    bytes.push(0);
+                }
+            }
+            assert_eq!(
+                decode_for_check(&bytes, cols),
+                checked_by_definition(&bytes, cols),
+                "case {i}"
+            );
+        }
     }
 
     #[test]

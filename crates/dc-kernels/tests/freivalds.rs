@@ -23,6 +23,12 @@ proptest! {
         let Ok(acc) = Gemm::new(Kernel::best(), 1).unwrap().matmul_exact(&x, &w, &mut y) else { return Ok(()) };
         let key = FreivaldsKey::new(&w, &[seed as u8; 32]);
         prop_assert_eq!(key.check(&x, &acc), Ok(()));
+        // The row-by-row forms a spot check uses agree: exact values, and their residues.
+        let row = which % m;
+        let values: Vec<_> = (0..n).map(|j| acc.get(row, j)).collect();
+        let residues: Vec<u64> = values.iter().map(dc_kernels::freivalds::exact_mod).collect();
+        prop_assert!(key.check_values(&x, row, &values));
+        prop_assert!(key.check_residues(&x, row, &residues));
         // Change one accumulator by any amount: caught.
         let mut bad = acc.clone();
         let i = which % bad.slots.len();
@@ -30,6 +36,12 @@ proptest! {
             bad.slots[i].mant = bad.slots[i].mant.wrapping_add(delta * 2 + 1) | 1;
             if bad.slots[i] != acc.slots[i] {
                 prop_assert_eq!(key.check(&x, &bad), Err(i / n));
+                let (r, j) = (i / n, i % n);
+                let mut lie: Vec<u64> =
+                    (0..n).map(|c| dc_kernels::freivalds::exact_mod(&acc.get(r, c))).collect();
+                lie[j] = dc_kernels::freivalds::exact_mod(&bad.get(r, j));
+                prop_assert!(!key.check_residues(&x, r, &lie));
+                prop_assert!(!key.check_residues(&x, r, &lie[1..]));
             }
         }
     }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use dc_kernels::commit::{merkle_proof, merkle_root, row_leaf_at};
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_row, rounded, row_encoding, Opening};
-use dc_kernels::{Accumulators, Commitment, Domain, Exact, QuantizedRows};
+use dc_kernels::reveal::{decode_for_check, row_encoding, CheckedRow, Opening};
+use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
 use dc_types::{HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
 use crate::attention::{
@@ -375,7 +375,7 @@ impl LayerChecker {
                     e.point
                 ));
             }
-            let decoded = decode_row(&row.encoding, cols)
+            let decoded = decode_for_check(&row.encoding, cols)
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             values.push((e.point, decoded));
         }
@@ -537,7 +537,7 @@ fn hop_rows(
 /// attention recomputed on the revealed cache.
 struct Revealed<'a> {
     checker: &'a LayerChecker,
-    values: Vec<(Point, Vec<Exact>)>,
+    values: Vec<(Point, CheckedRow)>,
     /// The revealed cache of the positions before the checked one.
     cache: LayerCache,
     /// The revealed cache row of the checked position.
@@ -548,27 +548,14 @@ struct Revealed<'a> {
 }
 
 impl Revealed<'_> {
-    /// The revealed exact values of `point`.
-    fn values(&self, point: Point) -> Result<&[Exact]> {
+    /// The revealed row of `point`, decoded for the check.
+    fn row(&self, point: Point) -> Result<&CheckedRow> {
         let layer = self.checker.layer;
         self.values
             .iter()
             .find(|(p, _)| *p == point)
-            .map(|(_, v)| v.as_slice())
+            .map(|(_, v)| v)
             .ok_or_else(|| ModelError::Input(format!("layer {layer}: no {point:?} row")))
-    }
-
-    /// Those values rounded to f32, as the stage's epilogue rounded them.
-    fn rounded(&self, point: Point) -> Result<Vec<f32>> {
-        let layer = self.checker.layer;
-        self.values(point)?
-            .iter()
-            .map(|e| {
-                rounded(e).ok_or_else(|| {
-                    ModelError::Input(format!("layer {layer}: a {point:?} value overflows f32"))
-                })
-            })
-            .collect()
     }
 }
 
@@ -579,13 +566,15 @@ impl Products for Revealed<'_> {
             .checker
             .key(point)
             .ok_or_else(|| ModelError::Input(format!("layer {layer} has no {point:?} product")))?;
-        if !key.check_values(x, 0, self.values(point)?) {
+        let row = self.row(point)?;
+        if !key.check_residues(x, 0, &row.residues) {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the {point:?} row is not its input times the weights \
                  (Freivalds' test)"
             )));
         }
-        *out = self.rounded(point)?;
+        out.clear();
+        out.extend_from_slice(&row.rounded);
         add_bias(bias, out);
         Ok(())
     }
