@@ -307,6 +307,36 @@ impl LayerChecker {
         known: &LayerCache,
         reveal: &LayerReveal,
     ) -> std::result::Result<LayerCache, String> {
+        let mut cache = known.clone();
+        self.check_in_place(model, hops, &mut cache, reveal)?;
+        Ok(cache)
+    }
+
+    /// [`Self::check`] extending `cache` (the rows verified so far) in place instead of copying
+    /// it: on success it holds the verified rows up to the end of the hop; on an error it is
+    /// left as it was.
+    pub fn check_in_place(
+        &self,
+        model: &Model,
+        hops: &[(&HopTrace, usize)],
+        cache: &mut LayerCache,
+        reveal: &LayerReveal,
+    ) -> std::result::Result<(), String> {
+        let held = cache.len();
+        let checked = self.check_extending(model, hops, cache, reveal);
+        if checked.is_err() {
+            cache.truncate(held);
+        }
+        checked
+    }
+
+    fn check_extending(
+        &self,
+        model: &Model,
+        hops: &[(&HopTrace, usize)],
+        cache: &mut LayerCache,
+        reveal: &LayerReveal,
+    ) -> std::result::Result<(), String> {
         let cfg = &model.config;
         let (l, pos) = (self.layer as u32, reveal.position as usize);
         let &(trace, rows) = hops.last().ok_or("no hop to check")?;
@@ -332,7 +362,8 @@ impl LayerChecker {
                 "layer {l}: the revealed output is not the committed one"
             ));
         }
-        let (before, cache_row) = self.cache_rows(cfg, hops, known, reveal)?;
+        let known = cache.len();
+        let cache_row = self.cache_rows(cfg, hops, cache, reveal)?;
         // Every product of the layer, once, opened against its commitment; the attention
         // products' rows are recomputed, so only their openings are taken here.
         let mut values = Vec::new();
@@ -398,7 +429,7 @@ impl LayerChecker {
         let mut revealed = Revealed {
             checker: self,
             values,
-            cache: before,
+            cache,
             cache_row,
             shape: AttentionShape {
                 heads: cfg.num_heads,
@@ -422,40 +453,35 @@ impl LayerChecker {
             ));
         }
         // The cache now holds 0..=pos; the hop's later rows were verified above.
-        let mut cache = revealed.cache;
         let rb = cache.row_bytes();
-        let later = (pos + 1 - known.len()) * rb..(end - known.len()) * rb;
+        let later = (pos + 1 - known) * rb..(end - known) * rb;
         cache
             .extend_encoded(&reveal.cache[later])
-            .map_err(|e| format!("layer {l}: {e}"))?;
-        Ok(cache)
+            .map_err(|e| format!("layer {l}: {e}"))
     }
 
-    /// Checks the revealed cache rows against every hop's `KvCache` commitment and returns the
-    /// cache of the positions before the checked one with the checked position's row.
+    /// Checks the revealed cache rows against every hop's `KvCache` commitment, extends
+    /// `cache` (the rows known so far) to the positions before the checked one and returns the
+    /// checked position's row.
     fn cache_rows<'r>(
         &self,
         cfg: &crate::ModelConfig,
         hops: &[(&HopTrace, usize)],
-        known: &LayerCache,
+        cache: &mut LayerCache,
         reveal: &'r LayerReveal,
-    ) -> std::result::Result<(LayerCache, &'r [u8]), String> {
-        let (l, pos, from) = (self.layer, reveal.position as usize, known.len());
+    ) -> std::result::Result<&'r [u8], String> {
+        let (l, pos, from) = (self.layer, reveal.position as usize, cache.len());
         check_cache_rows(cfg, l, hops, from, &reveal.cache)?;
-        let rb = known.row_bytes();
-        if pos < from || (known.kv_heads(), known.head_dim()) != (cfg.num_kv_heads, cfg.head_dim) {
+        let rb = cache.row_bytes();
+        if pos < from || (cache.kv_heads(), cache.head_dim()) != (cfg.num_kv_heads, cfg.head_dim) {
             return Err(format!(
                 "layer {l}: the known cache does not fit position {pos}"
             ));
         }
-        let mut before = known.clone();
-        before
+        cache
             .extend_encoded(&reveal.cache[..(pos - from) * rb])
             .map_err(|e| format!("layer {l}: {e}"))?;
-        Ok((
-            before,
-            &reveal.cache[(pos - from) * rb..(pos - from + 1) * rb],
-        ))
+        Ok(&reveal.cache[(pos - from) * rb..(pos - from + 1) * rb])
     }
 
     fn key(&self, point: Point) -> Option<(&FreivaldsKey, Option<&[f32]>)> {
@@ -535,11 +561,11 @@ fn hop_rows(
 
 /// The checker's products: revealed rows, each weight product tested by Freivalds; the
 /// attention recomputed on the revealed cache.
-struct Revealed<'a> {
+struct Revealed<'a, 'c> {
     checker: &'a LayerChecker,
     values: Vec<(Point, CheckedRow)>,
     /// The revealed cache of the positions before the checked one.
-    cache: LayerCache,
+    cache: &'c mut LayerCache,
     /// The revealed cache row of the checked position.
     cache_row: &'a [u8],
     shape: AttentionShape,
@@ -547,7 +573,7 @@ struct Revealed<'a> {
     attention: Vec<(Point, Opening<'a>)>,
 }
 
-impl Revealed<'_> {
+impl Revealed<'_, '_> {
     /// The revealed row of `point`, decoded for the check.
     fn row(&self, point: Point) -> Result<&CheckedRow> {
         let layer = self.checker.layer;
@@ -559,7 +585,7 @@ impl Revealed<'_> {
     }
 }
 
-impl Products for Revealed<'_> {
+impl Products for Revealed<'_, '_> {
     fn linear(&mut self, point: Point, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
         let layer = self.checker.layer;
         let (key, bias) = self

@@ -278,6 +278,18 @@ fn lies_in_a_reveal_are_refused() {
                 .check(&model, &with_trace(&view, &t), &empty(&model), &r)
                 .unwrap_err();
             assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
+            // Checked in place, the failure comes after the cache was extended to the row,
+            // and the cache is left as it was.
+            let mut cache = empty(&model);
+            let err = c
+                .check_in_place(&model, &with_trace(&view, &t), &mut cache, &r)
+                .unwrap_err();
+            assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
+            assert!(
+                cache.is_empty(),
+                "{name} {point:?}: {} rows left",
+                cache.len()
+            );
             // The honest row against a commitment it does not open.
             let mut r = honest.clone();
             let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();

@@ -172,7 +172,7 @@ pub async fn spot_check(
     let checked = tokio::task::spawn_blocking(move || {
         let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
         let mut verified = Vec::new();
-        for ((pick, reveal), held) in picks.iter().zip(&reveals).zip(&held) {
+        for ((pick, reveal), mut cache) in picks.iter().zip(&reveals).zip(held) {
             if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
                 return Err(format!(
                     "asked for layer {} at {}, got layer {} at {}",
@@ -182,20 +182,21 @@ pub async fn spot_check(
             let c = checkers
                 .get(&(pick.layer as usize))
                 .ok_or("no checker for a picked layer")?;
-            verified.push((pick.layer as usize, c.check(&model, &hops, held, reveal)?));
+            c.check_in_place(&model, &hops, &mut cache, reveal)?;
+            verified.push((pick.layer as usize, cache));
         }
         Ok(verified)
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));
-    if let Ok(verified) = &checked {
+    let checked = checked.map(|verified| {
         let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
         for (layer, cache) in verified {
-            if k.get(layer).is_none_or(|c| c.len() < cache.len()) {
-                k.insert(*layer, cache.clone());
+            if k.get(&layer).is_none_or(|c| c.len() < cache.len()) {
+                k.insert(layer, cache);
             }
         }
-    }
+    });
     let n = layers.len() as u64;
     tally(&node, |t| {
         t.run += 1;

@@ -296,8 +296,7 @@ fn spot_costs(
         let size = dc_types::encode(&r, usize::MAX)?.len() as f64;
         let s = Instant::now();
         let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
-        known[l] = c
-            .check(model, &views, &known[l], &r)
+        c.check_in_place(model, &views, &mut known[l], &r)
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
         let checked = s.elapsed().as_secs_f64();
         if first {
