@@ -619,7 +619,7 @@ impl Products for Revealed<'_, '_> {
         let mut leaves = AttentionLeaves::default();
         attend_committed(
             self.shape,
-            &self.cache,
+            self.cache,
             q,
             start,
             &mut ctx,
