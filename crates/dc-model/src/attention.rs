@@ -406,7 +406,8 @@ pub struct AttentionLeaves {
 pub enum AttentionKernel {
     /// The value-by-value definition (NUMERICS.md §2).
     Reference,
-    /// Scratch buffers reused per worker, each `exp` once, vectorisable inner loops.
+    /// Scratch buffers reused per worker, each `exp` once, the per-key int8 loops of
+    /// [`dc_kernels::int8`].
     #[default]
     Fast,
 }
