@@ -89,11 +89,17 @@ fn signed(v: i64) -> u64 {
     }
 }
 
+/// `mant · 2^exp` modulo p: [`exact_mod`] of a small value.
+#[inline]
+pub fn small_mod(mant: i64, exp: i32) -> u64 {
+    times_pow2(signed(mant), exp)
+}
+
 /// An exact value modulo p.
 #[inline]
 pub fn exact_mod(e: &Exact) -> u64 {
     match e {
-        Exact::Small { mant, exp } => times_pow2(signed(*mant), *exp),
+        Exact::Small { mant, exp } => small_mod(*mant, *exp),
         Exact::Wide { neg, mag, exp } => {
             // Σ limb_i · 2^(64 i), then the sign and the power of two.
             let mut acc = 0u64;

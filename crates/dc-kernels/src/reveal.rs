@@ -104,27 +104,38 @@ pub struct CheckedRow {
 /// Decodes a row of `cols` canonical encodings for a check (see [`CheckedRow`]); refuses what
 /// [`decode_row`] refuses, and a value that overflows f32 (no honest epilogue produces one).
 pub fn decode_for_check(bytes: &[u8], cols: usize) -> Result<CheckedRow, String> {
-    use crate::freivalds::exact_mod;
-    let overflow = |c: usize| format!("value {c} overflows f32");
+    use crate::freivalds::{exact_mod, small_mod};
     if bytes.len() == cols * 12 {
+        // Every value small (12 bytes) is what a product nearly always gives: one tight pass,
+        // leaving anything unusual (a wide value, an extreme exponent, an overflow) to the
+        // general path below, which gives the same numbers and the errors.
         let mut row = CheckedRow {
-            residues: Vec::with_capacity(cols),
-            rounded: Vec::with_capacity(cols),
+            residues: vec![0; cols],
+            rounded: vec![0.0; cols],
         };
-        for (c, rec) in bytes.chunks_exact(12).enumerate() {
+        let mut usual = true;
+        for ((rec, r), f) in bytes
+            .chunks_exact(12)
+            .zip(&mut row.residues)
+            .zip(&mut row.rounded)
+        {
             let (m, e) = rec.split_at(8);
             let mant = i64::from_le_bytes(m.try_into().expect("8 bytes"));
             let exp = i32::from_le_bytes(e.try_into().expect("4 bytes"));
-            if exp == i32::MIN {
-                // A wide value: the general path below.
-                row.residues.clear();
+            // The range where `rounded` takes the fast rounding (and i32::MIN, the wide
+            // marker, is outside it).
+            if !(-1000..=900).contains(&exp) {
+                usual = false;
                 break;
             }
-            let v = Exact::Small { mant, exp };
-            row.residues.push(exact_mod(&v));
-            row.rounded.push(rounded(&v).ok_or_else(|| overflow(c))?);
+            *r = small_mod(mant, exp);
+            *f = round_i64_fast(mant, exp);
+            if !f.is_finite() {
+                usual = false;
+                break;
+            }
         }
-        if row.residues.len() == cols {
+        if usual {
             return Ok(row);
         }
     }
@@ -134,7 +145,7 @@ pub fn decode_for_check(bytes: &[u8], cols: usize) -> Result<CheckedRow, String>
         rounded: values
             .iter()
             .enumerate()
-            .map(|(c, v)| rounded(v).ok_or_else(|| overflow(c)))
+            .map(|(c, v)| rounded(v).ok_or_else(|| format!("value {c} overflows f32")))
             .collect::<Result<_, _>>()?,
     })
 }
