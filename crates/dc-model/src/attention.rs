@@ -479,11 +479,22 @@ pub fn attend_committed_with(
         }?;
         Ok(ex)
     };
-    let results: Vec<Result<Option<HeadExact>, String>> = out
-        .par_chunks_mut(hd)
-        .enumerate()
-        .map_init(HeadScratch::default, one)
-        .collect();
+    // Heads run in parallel on the rayon pool this is called from (`Gemm::install`); called
+    // from outside any pool (a one-thread engine, a test) they run on the calling thread, so a
+    // daemon told to use one thread uses one.
+    let results: Vec<Result<Option<HeadExact>, String>> = if rayon::current_thread_index().is_some()
+    {
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .map_init(HeadScratch::default, one)
+            .collect()
+    } else {
+        let mut scratch = HeadScratch::default();
+        out.chunks_mut(hd)
+            .enumerate()
+            .map(|head| one(&mut scratch, head))
+            .collect()
+    };
     let mut exact = Vec::with_capacity(results.len());
     for r in results {
         match r {

@@ -1,7 +1,8 @@
 //! The fast attention kernel against the reference, bit for bit: outputs, both commitments and
 //! every committed row's leaves, over random shapes (head widths that are and are not whole
 //! blocks, grouped queries, sliding windows), hop lengths, positions and value ranges (tiny,
-//! huge, all-zero heads: every exact-sum path).
+//! huge, all-zero heads: every exact-sum path); heads run on the calling thread and on a
+//! two-thread pool alike.
 
 use dc_model::attention::{
     attend_committed_with, AttentionKernel, AttentionLeaves, AttentionShape, LayerCache,
@@ -113,6 +114,17 @@ fn run(c: &Case, kernel: AttentionKernel) -> (Vec<u32>, String) {
     (out.iter().map(|x| x.to_bits()).collect(), summary)
 }
 
+/// A two-thread pool: inside one the heads run in parallel, outside they run in order.
+fn pool() -> &'static rayon::ThreadPool {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a two-thread pool")
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -120,8 +132,11 @@ proptest! {
     fn the_fast_kernel_is_the_reference_bit_for_bit(c in cases()) {
         let (fast_out, fast) = run(&c, AttentionKernel::Fast);
         let (ref_out, reference) = run(&c, AttentionKernel::Reference);
-        prop_assert_eq!(fast, reference);
-        prop_assert_eq!(fast_out, ref_out);
+        prop_assert_eq!(&fast, &reference);
+        prop_assert_eq!(&fast_out, &ref_out);
+        let (par_out, par) = pool().install(|| run(&c, AttentionKernel::Fast));
+        prop_assert_eq!(&par, &fast);
+        prop_assert_eq!(&par_out, &fast_out);
     }
 }
 

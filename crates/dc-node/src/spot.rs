@@ -169,23 +169,10 @@ pub async fn spot_check(
         .cloned()
         .zip(log.inputs.iter().map(|x| x.rows()))
         .collect();
+    let gemm = node.gemm.clone();
     let checked = tokio::task::spawn_blocking(move || {
-        let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
-        let mut verified = Vec::new();
-        for ((pick, reveal), mut cache) in picks.iter().zip(&reveals).zip(held) {
-            if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
-                return Err(format!(
-                    "asked for layer {} at {}, got layer {} at {}",
-                    pick.layer, pick.position, reveal.layer, reveal.position
-                ));
-            }
-            let c = checkers
-                .get(&(pick.layer as usize))
-                .ok_or("no checker for a picked layer")?;
-            c.check_in_place(&model, &hops, &mut cache, reveal)?;
-            verified.push((pick.layer as usize, cache));
-        }
-        Ok(verified)
+        // On the engine's threads, like every other product this peer computes.
+        gemm.install(|| check_all(&model, &checkers, &traces, &picks, &reveals, held))
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));
@@ -222,6 +209,34 @@ pub async fn spot_check(
 
 fn tally(node: &Node, f: impl FnOnce(&mut SpotTally)) {
     f(&mut node.audits.lock().unwrap_or_else(|e| e.into_inner()).spot);
+}
+
+/// Checks each revealed layer against its pick, extending that layer's verified cache (`held`,
+/// in pick order); returns the extended caches, or why a check failed.
+fn check_all(
+    model: &Model,
+    checkers: &HashMap<usize, Arc<LayerChecker>>,
+    traces: &[(dc_types::HopTrace, usize)],
+    picks: &[RevealPick],
+    reveals: &[dc_types::LayerReveal],
+    held: Vec<LayerCache>,
+) -> Result<Vec<(usize, LayerCache)>, String> {
+    let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
+    let mut verified = Vec::new();
+    for ((pick, reveal), mut cache) in picks.iter().zip(reveals).zip(held) {
+        if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
+            return Err(format!(
+                "asked for layer {} at {}, got layer {} at {}",
+                pick.layer, pick.position, reveal.layer, reveal.position
+            ));
+        }
+        let c = checkers
+            .get(&(pick.layer as usize))
+            .ok_or("no checker for a picked layer")?;
+        c.check_in_place(model, &hops, &mut cache, reveal)?;
+        verified.push((pick.layer as usize, cache));
+    }
+    Ok(verified)
 }
 
 /// The checkers of `layers`, building the missing ones from our own copy of the weights (one

@@ -296,7 +296,8 @@ fn spot_costs(
         let size = dc_types::encode(&r, usize::MAX)?.len() as f64;
         let s = Instant::now();
         let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
-        c.check_in_place(model, &views, &mut known[l], &r)
+        // On the engine's threads, as a head runs its checks.
+        gemm.install(|| c.check_in_place(model, &views, &mut known[l], &r))
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
         let checked = s.elapsed().as_secs_f64();
         if first {
