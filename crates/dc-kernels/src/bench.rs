@@ -371,6 +371,16 @@ impl GemmTiming {
     }
 }
 
+/// Deterministic activations (`m × k`, unquantised) and packed weights (`k × n`) for a timed
+/// product of that shape.
+fn operands(m: usize, k: usize, n: usize) -> crate::Result<(Vec<f32>, PackedWeights)> {
+    let mut rng = SplitMix64::new((m * 31 + k * 7 + n) as u64);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+    let w: Vec<f32> = (0..k * n).map(|_| rng.normal() * 0.05).collect();
+    let packed = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "bench")?;
+    Ok((x, packed))
+}
+
 /// Times `x · w` for an `m × k × n` product: the median of repeated runs over at least `time`.
 /// Weights rotate through enough copies to exceed `cold_bytes`, so decode shapes are timed
 /// from memory, not from a warm cache.
@@ -382,10 +392,7 @@ pub fn time_gemm(
     cold_bytes: usize,
     time: Duration,
 ) -> crate::Result<GemmTiming> {
-    let mut rng = SplitMix64::new((m * 31 + k * 7 + n) as u64);
-    let x: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
-    let w: Vec<f32> = (0..k * n).map(|_| rng.normal() * 0.05).collect();
-    let packed = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "bench")?;
+    let (x, packed) = operands(m, k, n)?;
     let copies = cold_bytes.div_ceil(packed.packed_bytes()).max(1);
     let ws: Vec<PackedWeights> = (0..copies).map(|_| packed.clone()).collect();
     let mut qtimes = Vec::new();
@@ -450,10 +457,7 @@ pub fn time_commitment(
     n: usize,
     time: Duration,
 ) -> crate::Result<CommitTiming> {
-    let mut rng = SplitMix64::new((m * 31 + k * 7 + n) as u64);
-    let x: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
-    let w: Vec<f32> = (0..k * n).map(|_| rng.normal() * 0.05).collect();
-    let packed = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "bench")?;
+    let (x, packed) = operands(m, k, n)?;
     let qx = QuantizedRows::quantize(&x, m, k, "bench")?;
     let mut out = vec![0f32; m * n];
     gemm.matmul(&qx, &packed, &mut out)?; // warm up

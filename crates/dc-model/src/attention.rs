@@ -665,6 +665,19 @@ fn head_attention(
         }
         used += 1;
     }
+    context_outputs(out, ctx_terms, blocks, used, pos, exact)
+}
+
+/// Each output of one head's context from its block terms (`blocks` places per output, the
+/// first `used` filled): summed exactly, rounded to f32 into `out`, kept when committing.
+fn context_outputs(
+    out: &mut [f32],
+    ctx_terms: &[(i64, i32)],
+    blocks: usize,
+    used: usize,
+    pos: usize,
+    mut exact: Option<&mut HeadExact>,
+) -> Result<(), String> {
     for (o, t) in out.iter_mut().zip(ctx_terms.chunks_exact(blocks)) {
         let e = context_sum(&t[..used]);
         *o = e

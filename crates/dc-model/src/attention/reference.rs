@@ -5,7 +5,7 @@
 use dc_kernels::elementwise::softmax;
 use dc_kernels::quant::{quantize_block, round_half_even, BLOCK, QMAX};
 
-use super::{context_sum, pow2, scale_for_amax_f64, sum_terms, HeadExact, LayerCache};
+use super::{context_outputs, pow2, scale_for_amax_f64, sum_terms, HeadExact, LayerCache};
 
 /// One query head at absolute position `pos`, value by value as NUMERICS.md §2 states it.
 #[allow(clippy::too_many_arguments)]
@@ -107,14 +107,5 @@ pub(super) fn head_attention(
         }
         used += 1;
     }
-    for (o, t) in out.iter_mut().zip(ctx_terms.chunks_exact(blocks)) {
-        let e = context_sum(&t[..used]);
-        *o = e
-            .to_f32()
-            .ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
-        if let Some(x) = exact.as_deref_mut() {
-            x.context.push(e);
-        }
-    }
-    Ok(())
+    context_outputs(out, &ctx_terms, blocks, used, pos, exact)
 }
