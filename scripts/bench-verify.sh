@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What verification costs end to end: a 5-daemon loopback swarm (a head over the first third of
 # the layers, two peers for each other third, so every remote hop has an auditor) generates with
-# verification off (audit and spot-check rates 0) and at the defaults (0.1 and 0.1), taking
-# turns, and prints wall time per token and the head's audit and spot-check counters.
+# verification off (audit and spot-check rates 0) and at the daemon's defaults, taking turns,
+# and prints wall time per token and the head's audit and spot-check counters.
 #
 #   scripts/bench-verify.sh [MODEL] [TOKENS] [ROUNDS]     (default: smollm2-135m 96 2)
 #   LAYERS=30 sets the model's layer count (default 30, SmolLM2-135M).
@@ -42,11 +42,16 @@ start() { # dir name layers extra...
     exit 1
 }
 
-swarm() { # rate: one round of 3 generations with audit and spot-check rates `rate`
-    local rate=$1 dir
+swarm() { # off|defaults: one round of 3 generations with verification off or at the defaults
+    local mode=$1 dir
+    local spot=() audit=()
+    if [ "$mode" = off ]; then
+        spot=(--spot-check-rate 0)
+        audit=(--audit-rate 0)
+    fi
     dir=$(mktemp -d -p "$work")
     local a=$((L / 3)) b=$((2 * L / 3))
-    start "$dir" head "0..$a" --spot-check-rate "$rate"
+    start "$dir" head "0..$a" "${spot[@]}"
     local boot api
     boot=$(grep -m1 "listening on /ip4/127.0.0.1/tcp" "$dir/head.out" | awk '{print $3}')
     for n in 1 2; do
@@ -59,10 +64,10 @@ swarm() { # rate: one round of 3 generations with audit and spot-check rates `ra
         local s e
         s=$(date +%s.%N)
         "$DCD" generate --api "$api" --prompt-ids 5,17,99,3,250,41,7,0,12 \
-            --max-new-tokens "$TOKENS" --ignore-eos --seed "$seed" --audit-rate "$rate" \
+            --max-new-tokens "$TOKENS" --ignore-eos --seed "$seed" "${audit[@]}" \
             --json >/dev/null
         e=$(date +%s.%N)
-        python3 -c "print('rates $rate, generation $seed: %.1f ms/token' % (($e - $s) * 1000 / $TOKENS))"
+        python3 -c "print('verification $mode, generation $seed: %.1f ms/token' % (($e - $s) * 1000 / $TOKENS))"
     done
     curl -s "$api/status" | python3 -c "
 import json, sys
@@ -73,6 +78,6 @@ print('  audits', {k: a[k] for k in ['run', 'failed', 'from_cache', 'from_cache_
 }
 
 for _ in $(seq "$ROUNDS"); do
-    swarm 0
-    swarm 0.1
+    swarm off
+    swarm defaults
 done

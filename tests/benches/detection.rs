@@ -5,17 +5,20 @@
 //! - Audits only: the head audits each remote hop with probability `p`. For a generation with
 //!   `H` hops on the liar, docs/VERIFICATION.md predicts detection with probability
 //!   `1 − (1 − f·p)^H`.
-//! - Spot checks only: the head checks each layer of each remote hop with probability `c`, at
-//!   one random row. The flipped output shows in the last layer's check, whatever row it picks
-//!   (the revealed output rows no longer hash to the signed output), so a lying hop is caught
-//!   with probability `c`: `1 − (1 − f·c)^H`.
+//! - Spot checks only: the head draws each part of each layer of each remote hop (its weight
+//!   products, both attention products, its output: 10 for a Llama layer) with probability
+//!   `c`, and checks a layer with any part drawn at one random row. The flipped output shows
+//!   in any check of the last layer, whatever it tests (the revealed output rows no longer
+//!   hash to the signed output), so a lying hop is caught with probability
+//!   `s = 1 − (1 − c)^10`: `1 − (1 − f·s)^H`.
 //!
 //! Each counts how often the liar is actually proven and excluded.
 //!
 //! `DETECTION_FAULT=attention` makes the liar lie in its last layer's attention instead (it
 //! attends over a key and a value other than the committed ones and stays consistent after
-//! that): no weight product is wrong, only a check that recomputes the attention sees it. It
-//! cannot lie on its first hop (nothing is cached yet), so `H − 1` hops count.
+//! that): no weight product is wrong, only a check that recomputes the attention sees it — one
+//! that draws the scores or the context, `s = 1 − (1 − c)^2`. It cannot lie on its first hop
+//! (nothing is cached yet), so `H − 1` hops count.
 //!
 //! ```text
 //! cargo bench -p dc-tests --bench detection            # DETECTION_TRIALS=N (default 40)
@@ -71,8 +74,9 @@ fn main() {
         (0.1, 0.3, 0.0),
         (0.3, 0.3, 0.0),
         (1.0, 0.1, 0.0),
-        (0.3, 0.0, 0.3),
-        (1.0, 0.0, 0.1),
+        (0.1, 0.0, 0.06),
+        (0.3, 0.0, 0.02),
+        (1.0, 0.0, 0.06),
         (0.1, 0.0, 1.0),
     ];
     let only = std::env::var("DETECTION_ONLY").unwrap_or_default();
@@ -135,7 +139,11 @@ fn main() {
         // H: the liar's hops in a generation it was not caught in (all of them).
         let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
         let lying = if kind == "attention" { h - 1.0 } else { h };
-        let predicted = 1.0 - (1.0 - f * p).powf(lying) * (1.0 - f * c).powf(lying);
+        // A lying hop's spot check sees the lie when it draws any part of the last layer
+        // (flip-bit) or one of its two attention products (attention).
+        let parts = if kind == "attention" { 2 } else { 10 };
+        let s = 1.0 - (1.0 - c).powi(parts);
+        let predicted = 1.0 - (1.0 - f * p).powf(lying) * (1.0 - f * s).powf(lying);
         println!(
             "{f:5.2} {p:8.2} {c:7.2} {h:7.0} {predicted:11.3} {:10.3} ({caught}/{counted})   {audits}, {unavailable}   ({skipped} without the liar)",
             caught as f64 / counted.max(1) as f64

@@ -153,6 +153,7 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
                     layer,
                     position,
                     cache_from: 0,
+                    checks: CheckSet(u16::MAX),
                 })
                 .collect(),
         })

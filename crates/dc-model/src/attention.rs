@@ -14,6 +14,7 @@ use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
+use dc_kernels::reveal::{leaf_of_encoding, values_encoding};
 use dc_kernels::{Commitment, Domain};
 use rayon::prelude::*;
 
@@ -398,6 +399,9 @@ pub struct AttentionLeaves {
     pub scores: Vec<Commitment>,
     /// One per committed position of `P' · V`.
     pub context: Vec<Commitment>,
+    /// The canonical encoding of each committed row of `P' · V` (what its leaf hashes): a
+    /// stage reveals it when a check tests the output projection without the attention.
+    pub context_rows: Vec<Vec<u8>>,
 }
 
 /// Per-head attention kernels. Every kernel gives the same bits (property-tested against the
@@ -512,6 +516,7 @@ pub fn attend_committed_with(
         return Ok(None);
     };
     let (mut sl, mut cl) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+    let (keep_rows, mut context_rows) = (leaves.is_some(), Vec::new());
     for (t, row) in exact.chunks(heads).enumerate() {
         if start + t < from {
             continue;
@@ -523,7 +528,13 @@ pub fn attend_committed_with(
             c.extend_from_slice(&e.context);
         }
         sl.push(exact_row_leaf(start + t, &s));
-        cl.push(exact_row_leaf(start + t, &c));
+        if keep_rows {
+            let encoding = values_encoding(&c);
+            cl.push(leaf_of_encoding(start + t, c.len(), &encoding));
+            context_rows.push(encoding);
+        } else {
+            cl.push(exact_row_leaf(start + t, &c));
+        }
     }
     let commitments = AttentionCommitments {
         scores: gemm_commitment(sl.len(), heads, &merkle_root(&sl)),
@@ -532,6 +543,7 @@ pub fn attend_committed_with(
     if let Some(l) = leaves {
         l.scores = sl;
         l.context = cl;
+        l.context_rows = context_rows;
     }
     Ok(Some(commitments))
 }

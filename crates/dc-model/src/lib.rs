@@ -27,5 +27,7 @@ pub mod weights;
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{Activations, KvCache, LoadOptions, Model};
-pub use reveal::{check_cache_rows, CacheLog, KeptHop, LayerChecker};
+pub use reveal::{
+    check_cache_rows, check_parts, draw_checks, rows_needed, CacheLog, KeptHop, LayerChecker,
+};
 pub use source::{TensorInfo, TensorSource};

@@ -295,6 +295,7 @@ impl Products for Compute<'_> {
                 Kept::Leaves {
                     cols: heads,
                     leaves: l.scores,
+                    rows: Vec::new(),
                 },
             );
             k.keep(
@@ -302,6 +303,7 @@ impl Products for Compute<'_> {
                 Kept::Leaves {
                     cols: width,
                     leaves: l.context,
+                    rows: l.context_rows,
                 },
             );
         }

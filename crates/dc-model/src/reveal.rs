@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use dc_kernels::commit::{merkle_proof, merkle_root, row_leaf_at};
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_for_check, row_encoding, CheckedRow, Opening};
+use dc_kernels::reveal::{decode_for_check, leaf_of_encoding, row_encoding, CheckedRow, Opening};
 use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
-use dc_types::{HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
+use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
 use crate::attention::{
     attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
@@ -31,10 +31,13 @@ pub(crate) enum Kept {
     /// A weight product's exact accumulators.
     Gemm(Accumulators),
     /// Only the rows' Merkle leaves (the attention products: a checker recomputes their rows,
-    /// so a reveal carries just the root and the path).
+    /// so a reveal carries just the root and the path), and for the context each row's
+    /// encoding (`rows`, empty for the scores), revealed when a check takes the context as the
+    /// output projection's input instead of recomputing it.
     Leaves {
         cols: usize,
         leaves: Vec<Commitment>,
+        rows: Vec<Vec<u8>>,
     },
 }
 
@@ -42,26 +45,45 @@ impl Kept {
     fn bytes(&self) -> usize {
         match self {
             Kept::Gemm(a) => a.slots.len() * 16 + a.wide.len() * 64,
-            Kept::Leaves { leaves, .. } => leaves.len() * 32,
+            Kept::Leaves { leaves, rows, .. } => {
+                leaves.len() * 32 + rows.iter().map(Vec::len).sum::<usize>()
+            }
         }
     }
 
-    /// The row at `index` with its Merkle path, for a product whose first row is at `first`.
-    fn reveal(&self, point: Point, first: usize, index: usize) -> Option<RevealedRow> {
+    /// The row at `index` with its Merkle path, for a product whose first row is at `first`
+    /// (an attention product's with its encoding only if `values` and it was kept).
+    fn reveal(
+        &self,
+        point: Point,
+        first: usize,
+        index: usize,
+        values: bool,
+    ) -> Option<RevealedRow> {
         let (cols, leaves, encoding) = match self {
             Kept::Gemm(acc) => {
                 if index >= acc.rows {
                     return None;
                 }
-                let leaves: Vec<Commitment> =
-                    (0..acc.rows).map(|r| row_leaf_at(acc, r, first)).collect();
-                (acc.cols, leaves, row_encoding(acc, index))
+                // The revealed row is encoded once, for its leaf and for the wire.
+                let encoding = row_encoding(acc, index);
+                let leaves: Vec<Commitment> = (0..acc.rows)
+                    .map(|r| match r == index {
+                        true => leaf_of_encoding(first + r, acc.cols, &encoding),
+                        false => row_leaf_at(acc, r, first),
+                    })
+                    .collect();
+                (acc.cols, leaves, encoding)
             }
-            Kept::Leaves { cols, leaves } => {
+            Kept::Leaves { cols, leaves, rows } => {
                 if index >= leaves.len() {
                     return None;
                 }
-                (*cols, leaves.clone(), Vec::new())
+                let encoding = match values {
+                    true => rows.get(index)?.clone(),
+                    false => Vec::new(),
+                };
+                (*cols, leaves.clone(), encoding)
             }
         };
         Some(RevealedRow {
@@ -188,14 +210,16 @@ impl KeptHop {
             + self.output.as_ref().map_or(0, acts)
     }
 
-    /// Reveals `layer` at `position`: the activations entering and leaving the layer, the row
-    /// of each product at that position (the attention products' by root and path only), and
-    /// the layer's cache rows from `cache_from` (at most the hop's first position) to the end
-    /// of the hop, from `log`.
+    /// Reveals what a check of `checks` needs of `layer` at `position` ([`rows_needed`]): the
+    /// activations entering and leaving the layer, the row at that position of each product
+    /// needed (the attention products' by root and path only, but for the context's values
+    /// when they are needed), and, when the attention is recomputed, the layer's cache rows
+    /// from `cache_from` (at most the hop's first position) to the end of the hop, from `log`.
     pub fn reveal(
         &self,
         layer: usize,
         position: usize,
+        checks: CheckSet,
         cache_from: usize,
         log: &CacheLog,
     ) -> std::result::Result<LayerReveal, String> {
@@ -214,10 +238,15 @@ impl KeptHop {
             Some(n) => &n.input,
             None => self.output.as_ref().ok_or("the hop did not finish")?,
         };
+        let (needed, context_values) = rows_needed(checks);
         let rows = l
             .products
             .iter()
-            .map(|(p, k)| k.reveal(*p, first, index).ok_or("a kept product is short"))
+            .filter(|(p, _)| needed.contains(*p))
+            .map(|(p, k)| {
+                k.reveal(*p, first, index, context_values)
+                    .ok_or("a kept product is short")
+            })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let end = first + l.input.rows();
         if cache_from > first {
@@ -225,9 +254,12 @@ impl KeptHop {
                 "cache rows from {cache_from} start past the hop's first position {first}"
             ));
         }
-        let cache = log
-            .rows_between(layer, cache_from, end)
-            .ok_or_else(|| format!("the cache rows of layer {layer} up to {end} are not kept"))?;
+        let cache = match checks.attention() {
+            true => log.rows_between(layer, cache_from, end).ok_or_else(|| {
+                format!("the cache rows of layer {layer} up to {end} are not kept")
+            })?,
+            false => &[],
+        };
         Ok(LayerReveal {
             layer: layer as u32,
             position: position as u32,
@@ -237,6 +269,60 @@ impl KeptHop {
             cache: cache.to_vec(),
         })
     }
+}
+
+/// What a check of `checks` needs revealed: the rows of these products (those the layer has),
+/// and whether the context row's values are among them. A tested weight product needs its own
+/// row and the rows its input is made from (the output projection's input is the attention
+/// context, taken as committed unless the attention is recomputed; the MLP's first products'
+/// the output projection's; the down projection's the MLP's first products'); the attention
+/// needs q, k and v and both attention rows' openings; the layer's output needs the output
+/// and down projections.
+pub fn rows_needed(checks: CheckSet) -> (CheckSet, bool) {
+    use Point::*;
+    let weights = CheckSet::of(&[Q, K, V, O, Gate, Up, Fc, Down]);
+    let mlp_in = CheckSet::of(&[Gate, Up, Fc]);
+    let mut rows = CheckSet(checks.0 & weights.0);
+    let context_values = checks.contains(O) && !checks.attention();
+    if checks.attention() {
+        rows = rows.union(CheckSet::of(&[Q, K, V, Scores, Context]));
+    }
+    if context_values {
+        rows = rows.with(Context);
+    }
+    if CheckSet(checks.0 & mlp_in.0) != CheckSet::EMPTY || checks.contains(Output) {
+        rows = rows.with(O);
+    }
+    if checks.contains(Down) {
+        rows = rows.union(mlp_in);
+    }
+    if checks.contains(Output) {
+        rows = rows.with(Down);
+    }
+    (rows, context_values)
+}
+
+/// The parts of a layer of `config` a spot check can test: each weight product, both attention
+/// products and the output (see [`CheckSet`]).
+pub fn check_parts(config: &crate::ModelConfig) -> Vec<Point> {
+    use Point::*;
+    let mlp: &[Point] = match config.arch == crate::config::Arch::Gpt2 {
+        true => &[Fc, Down],
+        false => &[Gate, Up, Down],
+    };
+    [&[Q, K, V, Scores, Context, O][..], mlp, &[Output]].concat()
+}
+
+/// The parts a check tests when each of `parts` is drawn independently with probability
+/// `rate` (`unit` gives the draws, uniform in `[0, 1)`; a rate of 1 or more takes every part).
+/// Drawing parts rather than whole layers is what makes the guarantee independent of how a
+/// liar places its lies: each corrupted product is tested with probability `rate`, whether the
+/// liar spreads its lies over many layers or packs them into a few (docs/VERIFICATION.md).
+pub fn draw_checks(parts: &[Point], rate: f64, mut unit: impl FnMut() -> f64) -> CheckSet {
+    parts
+        .iter()
+        .filter(|_| rate >= 1.0 || unit() < rate)
+        .fold(CheckSet::EMPTY, |s, &p| s.with(p))
 }
 
 /// A checker's secrets and parameters for one layer: `W · r` of each weight product (with `r`
@@ -306,24 +392,27 @@ impl LayerChecker {
         hops: &[(&HopTrace, usize)],
         known: &LayerCache,
         reveal: &LayerReveal,
+        checks: CheckSet,
     ) -> std::result::Result<LayerCache, String> {
         let mut cache = known.clone();
-        self.check_in_place(model, hops, &mut cache, reveal)?;
+        self.check_in_place(model, hops, &mut cache, reveal, checks)?;
         Ok(cache)
     }
 
     /// [`Self::check`] extending `cache` (the rows verified so far) in place instead of copying
-    /// it: on success it holds the verified rows up to the end of the hop; on an error it is
-    /// left as it was.
+    /// it: on success it holds the verified rows up to the end of the hop (when the check
+    /// recomputes the attention; otherwise it is left as it was); on an error it is left as it
+    /// was.
     pub fn check_in_place(
         &self,
         model: &Model,
         hops: &[(&HopTrace, usize)],
         cache: &mut LayerCache,
         reveal: &LayerReveal,
+        checks: CheckSet,
     ) -> std::result::Result<(), String> {
         let held = cache.len();
-        let checked = self.check_extending(model, hops, cache, reveal);
+        let checked = self.check_extending(model, hops, cache, reveal, checks);
         if checked.is_err() {
             cache.truncate(held);
         }
@@ -336,10 +425,15 @@ impl LayerChecker {
         hops: &[(&HopTrace, usize)],
         cache: &mut LayerCache,
         reveal: &LayerReveal,
+        checks: CheckSet,
     ) -> std::result::Result<(), String> {
         let cfg = &model.config;
         let (l, pos) = (self.layer as u32, reveal.position as usize);
         let &(trace, rows) = hops.last().ok_or("no hop to check")?;
+        if checks.is_empty() {
+            return Err("nothing to check".into());
+        }
+        let (needed, context_values) = rows_needed(checks);
         if reveal.layer != l {
             return Err(format!("layer {} revealed for layer {l}", reveal.layer));
         }
@@ -363,13 +457,24 @@ impl LayerChecker {
             ));
         }
         let known = cache.len();
-        let cache_row = self.cache_rows(cfg, hops, cache, reveal)?;
-        // Every product of the layer, once, opened against its commitment; the attention
-        // products' rows are recomputed, so only their openings are taken here.
+        let cache_row = match checks.attention() {
+            true => self.cache_rows(cfg, hops, cache, reveal)?,
+            false if reveal.cache.is_empty() => &[],
+            false => {
+                return Err(format!(
+                    "layer {l}: cache rows revealed that were not asked for"
+                ))
+            }
+        };
+        // Every product the checks need, once, opened against its commitment; the attention
+        // products' rows are recomputed, so only their openings are taken here (but for the
+        // context's values when they are the output projection's input).
         let mut values = Vec::new();
         let mut attention = Vec::new();
         for e in trace.entries.iter().filter(|e| e.layer == l) {
-            if matches!(e.point, Point::Input | Point::Output | Point::KvCache) {
+            if matches!(e.point, Point::Input | Point::Output | Point::KvCache)
+                || !needed.contains(e.point)
+            {
                 continue;
             }
             let cols = match e.point {
@@ -396,7 +501,8 @@ impl LayerChecker {
                 root: &row.root,
                 path: &row.path,
             };
-            if matches!(e.point, Point::Scores | Point::Context) {
+            let takes_values = e.point == Point::Context && context_values;
+            if matches!(e.point, Point::Scores | Point::Context) && !takes_values {
                 attention.push((e.point, opening));
                 continue;
             }
@@ -410,9 +516,12 @@ impl LayerChecker {
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             values.push((e.point, decoded));
         }
-        if reveal.rows.len() != values.len() + attention.len() || attention.len() != 2 {
+        if reveal.rows.len() != values.len() + attention.len()
+            || attention.len() != if checks.attention() { 2 } else { 0 }
+        {
             return Err(format!(
-                "layer {l}: rows revealed that the trace does not commit"
+                "layer {l}: rows revealed that the trace does not commit or the check does \
+                 not need"
             ));
         }
         let x = Activations {
@@ -428,6 +537,7 @@ impl LayerChecker {
         let end = trace.from + rows;
         let mut revealed = Revealed {
             checker: self,
+            checks,
             values,
             cache,
             cache_row,
@@ -443,14 +553,18 @@ impl LayerChecker {
             .block(&glue, self.layer, x, &mut revealed)
             .map_err(|e| e.to_string())?;
         let want = &next.data[index * cfg.hidden_size..(index + 1) * cfg.hidden_size];
-        if y.data
-            .iter()
-            .zip(want)
-            .any(|(a, b)| a.to_bits() != b.to_bits())
+        if checks.contains(Point::Output)
+            && y.data
+                .iter()
+                .zip(want)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
         {
             return Err(format!(
                 "layer {l}: the output at position {pos} is not what the revealed products give"
             ));
+        }
+        if !checks.attention() {
+            return Ok(());
         }
         // The cache now holds 0..=pos; the hop's later rows were verified above.
         let rb = cache.row_bytes();
@@ -563,6 +677,9 @@ fn hop_rows(
 /// attention recomputed on the revealed cache.
 struct Revealed<'a, 'c> {
     checker: &'a LayerChecker,
+    /// What is tested; a product outside it is only supplied (from its revealed row when some
+    /// tested part needs it, as zeros otherwise: nothing tested depends on those).
+    checks: CheckSet,
     values: Vec<(Point, CheckedRow)>,
     /// The revealed cache of the positions before the checked one.
     cache: &'c mut LayerCache,
@@ -574,14 +691,12 @@ struct Revealed<'a, 'c> {
 }
 
 impl Revealed<'_, '_> {
-    /// The revealed row of `point`, decoded for the check.
-    fn row(&self, point: Point) -> Result<&CheckedRow> {
-        let layer = self.checker.layer;
+    /// The revealed row of `point`, decoded for the check, if revealed.
+    fn row(&self, point: Point) -> Option<&CheckedRow> {
         self.values
             .iter()
             .find(|(p, _)| *p == point)
             .map(|(_, v)| v)
-            .ok_or_else(|| ModelError::Input(format!("layer {layer}: no {point:?} row")))
     }
 }
 
@@ -592,14 +707,18 @@ impl Products for Revealed<'_, '_> {
             .checker
             .key(point)
             .ok_or_else(|| ModelError::Input(format!("layer {layer} has no {point:?} product")))?;
-        let row = self.row(point)?;
-        if !key.check_residues(x, 0, &row.residues) {
+        out.clear();
+        let Some(row) = self.row(point) else {
+            // Not needed by anything tested: a stand-in.
+            out.resize(key.cols(), 0.0);
+            return Ok(());
+        };
+        if self.checks.contains(point) && !key.check_residues(x, 0, &row.residues) {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the {point:?} row is not its input times the weights \
                  (Freivalds' test)"
             )));
         }
-        out.clear();
         out.extend_from_slice(&row.rounded);
         add_bias(bias, out);
         Ok(())
@@ -607,6 +726,22 @@ impl Products for Revealed<'_, '_> {
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
         let layer = self.checker.layer;
+        if !self.checks.attention() {
+            // The committed context (opened above) when the output projection is tested; a
+            // stand-in otherwise.
+            let ctx = match self.row(Point::Context) {
+                Some(row) => row.rounded.clone(),
+                None => vec![0.0; q.len()],
+            };
+            if ctx.len() != q.len() {
+                return Err(ModelError::Input(format!(
+                    "layer {layer}: the context row has {} values, not {}",
+                    ctx.len(),
+                    q.len()
+                )));
+            }
+            return Ok(ctx);
+        }
         self.cache.append(k, v)?;
         let mut mine = Vec::with_capacity(self.cache_row.len());
         self.cache.encode_row(start, &mut mine);

@@ -14,8 +14,11 @@ use dc_kernels::reveal::{decode_row, leaf_of_encoding, values_encoding};
 use dc_kernels::{Exact, Gemm, Kernel};
 use dc_model::attention::LayerCache;
 use dc_model::trace::{HopTrace, Point};
-use dc_model::{Activations, CacheLog, KeptHop, KvCache, LayerChecker, LoadOptions, Model};
-use dc_types::LayerReveal;
+use dc_model::{
+    check_parts, draw_checks, rows_needed, Activations, CacheLog, KeptHop, KvCache, LayerChecker,
+    LoadOptions, Model,
+};
+use dc_types::{CheckSet, LayerReveal};
 
 type Hop = (HopTrace, usize, KeptHop);
 
@@ -99,6 +102,11 @@ fn stage_hops_tampered(
     (out, log)
 }
 
+/// Every part of a layer: the full check.
+fn every(model: &Model) -> CheckSet {
+    CheckSet::of(&check_parts(&model.config))
+}
+
 /// A cache holding nothing (a layer's first check).
 fn empty(model: &Model) -> LayerCache {
     LayerCache::new(model.config.num_kv_heads, model.config.head_dim)
@@ -129,9 +137,17 @@ fn honest_reveals_pass_for_every_layer_and_row() {
             for (k, (trace, rows, kept)) in hops.iter().enumerate() {
                 for c in &checkers {
                     for index in [0, rows / 2, rows - 1] {
-                        let reveal = kept.reveal(c.layer(), trace.from + index, 0, &log).unwrap();
+                        let reveal = kept
+                            .reveal(c.layer(), trace.from + index, every(&model), 0, &log)
+                            .unwrap();
                         let full = c
-                            .check(&model, &views(&hops, k), &empty(&model), &reveal)
+                            .check(
+                                &model,
+                                &views(&hops, k),
+                                &empty(&model),
+                                &reveal,
+                                every(&model),
+                            )
                             .unwrap_or_else(|e| {
                                 panic!("{name}: layer {} row {index}: {e}", c.layer())
                             });
@@ -148,10 +164,12 @@ fn honest_reveals_pass_for_every_layer_and_row() {
                             let mut known = full.clone();
                             known.truncate(held);
                             let r = kept
-                                .reveal(c.layer(), trace.from + index, held, &log)
+                                .reveal(c.layer(), trace.from + index, every(&model), held, &log)
                                 .unwrap();
                             assert_eq!(r.cache.len(), (end - held) * full.row_bytes());
-                            let again = c.check(&model, &views(&hops, k), &known, &r).unwrap();
+                            let again = c
+                                .check(&model, &views(&hops, k), &known, &r, every(&model))
+                                .unwrap();
                             assert_eq!(
                                 again.encode_rows(0..again.len()),
                                 full.encode_rows(0..full.len()),
@@ -178,32 +196,51 @@ fn honest_reveals_pass_for_every_layer_and_row() {
         // What is not in the hop cannot be revealed.
         let (trace, rows, kept) = &hops[1];
         assert!(
-            kept.reveal(0, trace.from, 0, &log).is_err(),
+            kept.reveal(0, trace.from, every(&model), 0, &log).is_err(),
             "{name}: layer outside the stage"
         );
         assert!(
-            kept.reveal(1, trace.from + rows, 0, &log).is_err(),
+            kept.reveal(1, trace.from + rows, every(&model), 0, &log)
+                .is_err(),
             "{name}: row outside the hop"
         );
         // Without the earlier hops' commitments, or with a hop missing, the cache cannot be
         // tied to them.
         let c = &checkers(&model, stage.clone(), 1)[0];
-        let reveal = kept.reveal(c.layer(), trace.from, 0, &log).unwrap();
+        let reveal = kept
+            .reveal(c.layer(), trace.from, every(&model), 0, &log)
+            .unwrap();
         let err = c
-            .check(&model, &views(&hops, 1)[1..], &empty(&model), &reveal)
+            .check(
+                &model,
+                &views(&hops, 1)[1..],
+                &empty(&model),
+                &reveal,
+                every(&model),
+            )
             .unwrap_err();
         assert!(err.contains("do not cover"), "{name}: {err}");
         // Cache rows from inside a hop cannot be tied to its commitment; from past the hop's
         // start they are not revealed.
         let mut known = c
-            .check(&model, &views(&hops, 1), &empty(&model), &reveal)
+            .check(
+                &model,
+                &views(&hops, 1),
+                &empty(&model),
+                &reveal,
+                every(&model),
+            )
             .unwrap();
         known.truncate(3);
-        let r = kept.reveal(c.layer(), trace.from, 3, &log).unwrap();
-        let err = c.check(&model, &views(&hops, 1), &known, &r).unwrap_err();
+        let r = kept
+            .reveal(c.layer(), trace.from, every(&model), 3, &log)
+            .unwrap();
+        let err = c
+            .check(&model, &views(&hops, 1), &known, &r, every(&model))
+            .unwrap_err();
         assert!(err.contains("no hop starts at position 3"), "{name}: {err}");
         assert!(kept
-            .reveal(c.layer(), trace.from, trace.from + 1, &log)
+            .reveal(c.layer(), trace.from, every(&model), trace.from + 1, &log)
             .is_err());
     }
 }
@@ -235,8 +272,9 @@ fn lies_in_a_reveal_are_refused() {
         let view = views(&hops, 1);
         let c = &checkers(&model, stage.clone(), 7)[stage.len() - 1];
         let pos = trace.from;
-        let honest = kept.reveal(c.layer(), pos, 0, &log).unwrap();
-        c.check(&model, &view, &empty(&model), &honest).unwrap();
+        let honest = kept.reveal(c.layer(), pos, every(&model), 0, &log).unwrap();
+        c.check(&model, &view, &empty(&model), &honest, every(&model))
+            .unwrap();
         fn with_trace<'a>(
             view: &[(&'a HopTrace, usize)],
             t: &'a HopTrace,
@@ -256,7 +294,13 @@ fn lies_in_a_reveal_are_refused() {
                 let root = row.root;
                 set(&mut t, c.layer(), point, gemm_commitment(1, cols, &root));
                 let err = c
-                    .check(&model, &with_trace(&view, &t), &empty(&model), &r)
+                    .check(
+                        &model,
+                        &with_trace(&view, &t),
+                        &empty(&model),
+                        &r,
+                        every(&model),
+                    )
                     .unwrap_err();
                 assert!(
                     err.contains("recomputed from the revealed cache"),
@@ -275,14 +319,26 @@ fn lies_in_a_reveal_are_refused() {
             };
             recommit(&mut t, &mut r, point, &values);
             let err = c
-                .check(&model, &with_trace(&view, &t), &empty(&model), &r)
+                .check(
+                    &model,
+                    &with_trace(&view, &t),
+                    &empty(&model),
+                    &r,
+                    every(&model),
+                )
                 .unwrap_err();
             assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
             // Checked in place, the failure comes after the cache was extended to the row,
             // and the cache is left as it was.
             let mut cache = empty(&model);
             let err = c
-                .check_in_place(&model, &with_trace(&view, &t), &mut cache, &r)
+                .check_in_place(
+                    &model,
+                    &with_trace(&view, &t),
+                    &mut cache,
+                    &r,
+                    every(&model),
+                )
                 .unwrap_err();
             assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
             assert!(
@@ -294,7 +350,9 @@ fn lies_in_a_reveal_are_refused() {
             let mut r = honest.clone();
             let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
             row.encoding[0] ^= 1;
-            let err = c.check(&model, &view, &empty(&model), &r).unwrap_err();
+            let err = c
+                .check(&model, &view, &empty(&model), &r, every(&model))
+                .unwrap_err();
             assert!(err.contains("does not open"), "{name} {point:?}: {err}");
         }
         // A flipped bit of the output, committed consistently.
@@ -312,7 +370,13 @@ fn lies_in_a_reveal_are_refused() {
             .unwrap()
             .commitment = next.commitment();
         let err = c
-            .check(&model, &with_trace(&view, &t), &empty(&model), &r)
+            .check(
+                &model,
+                &with_trace(&view, &t),
+                &empty(&model),
+                &r,
+                every(&model),
+            )
             .unwrap_err();
         assert!(
             err.contains("not what the revealed products give"),
@@ -323,26 +387,40 @@ fn lies_in_a_reveal_are_refused() {
             let mut r = honest.clone();
             let rb = r.cache.len() / (pos + 1);
             r.cache[at * rb + 1] ^= 1;
-            let err = c.check(&model, &view, &empty(&model), &r).unwrap_err();
+            let err = c
+                .check(&model, &view, &empty(&model), &r, every(&model))
+                .unwrap_err();
             assert!(err.contains("not the committed ones"), "{name} {at}: {err}");
         }
         // Too few cache rows.
         let mut r = honest.clone();
         r.cache.pop();
-        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
+        assert!(c
+            .check(&model, &view, &empty(&model), &r, every(&model))
+            .is_err());
         // Revealed activations that are not the committed ones; a missing or repeated row.
         let mut r = honest.clone();
         r.input.data[0] += 1.0;
-        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
+        assert!(c
+            .check(&model, &view, &empty(&model), &r, every(&model))
+            .is_err());
         let mut r = honest.clone();
         r.rows.pop();
-        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
+        assert!(c
+            .check(&model, &view, &empty(&model), &r, every(&model))
+            .is_err());
         let mut r = honest.clone();
         r.rows.push(r.rows[0].clone());
-        assert!(c.check(&model, &view, &empty(&model), &r).is_err());
+        assert!(c
+            .check(&model, &view, &empty(&model), &r, every(&model))
+            .is_err());
         // A reveal of another layer or position than the checker's.
-        let other = kept.reveal(c.layer() - 1, pos, 0, &log).unwrap();
-        assert!(c.check(&model, &view, &empty(&model), &other).is_err());
+        let other = kept
+            .reveal(c.layer() - 1, pos, every(&model), 0, &log)
+            .unwrap();
+        assert!(c
+            .check(&model, &view, &empty(&model), &other, every(&model))
+            .is_err());
     }
 }
 
@@ -383,9 +461,17 @@ fn an_attention_lie_kept_consistent_is_caught() {
                 Some((layer, 3, byte)),
             );
             let (trace, _, kept) = &hops[1];
-            let reveal = kept.reveal(layer, trace.from, 0, &log).unwrap();
+            let reveal = kept
+                .reveal(layer, trace.from, every(&model), 0, &log)
+                .unwrap();
             let err = c
-                .check(&model, &views(&hops, 1), &empty(&model), &reveal)
+                .check(
+                    &model,
+                    &views(&hops, 1),
+                    &empty(&model),
+                    &reveal,
+                    every(&model),
+                )
                 .unwrap_err();
             assert!(
                 err.contains("recomputed from the revealed cache"),
@@ -393,4 +479,195 @@ fn an_attention_lie_kept_consistent_is_caught() {
             );
         }
     }
+}
+
+#[test]
+fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
+    for name in TINY {
+        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
+        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
+        let ids = expected_logits(name).pop().unwrap().0;
+        let n = model.config.num_layers;
+        let (hops, log) = stage_hops(&model, &gemm, 0..n, &ids, &[9, 1, 1]);
+        let parts = check_parts(&model.config);
+        let c = &checkers(&model, 0..n, 5)[n - 1];
+        // Each part alone, some draws, and everything.
+        let mut coins = dc_kernels::rng::SplitMix64::new(11);
+        let mut sets: Vec<CheckSet> = parts.iter().map(|&p| CheckSet::of(&[p])).collect();
+        sets.extend((0..12).map(|_| draw_checks(&parts, 0.3, || coins.unit())));
+        sets.push(every(&model));
+        for (k, (trace, rows, kept)) in hops.iter().enumerate().skip(1) {
+            for &checks in sets.iter().filter(|s| !s.is_empty()) {
+                let pos = trace.from + rows - 1;
+                let r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+                // Exactly the rows the parts need, the context's values only as the output
+                // projection's input, the cache only for the attention.
+                let (needed, values) = rows_needed(checks);
+                let got = CheckSet::of(&r.rows.iter().map(|x| x.point).collect::<Vec<_>>());
+                let has = CheckSet::of(&parts);
+                assert_eq!(got, CheckSet(needed.0 & has.0), "{name} {checks:?}");
+                for x in &r.rows {
+                    let carries = !x.encoding.is_empty();
+                    let wants = !matches!(x.point, Point::Scores | Point::Context)
+                        || (x.point == Point::Context && values);
+                    assert_eq!(carries, wants, "{name} {checks:?} {:?}", x.point);
+                }
+                assert_eq!(r.cache.is_empty(), !checks.attention(), "{name} {checks:?}");
+                let mut cache = empty(&model);
+                c.check_in_place(&model, &views(&hops, k), &mut cache, &r, checks)
+                    .unwrap_or_else(|e| panic!("{name} {checks:?}: {e}"));
+                // The verified cache grows only when the attention was recomputed, and then to
+                // the stage's rows.
+                match checks.attention() {
+                    true => assert_eq!(
+                        cache.encode_rows(0..cache.len()),
+                        log.rows(c.layer(), trace.from + rows).unwrap()
+                    ),
+                    false => assert!(cache.is_empty(), "{name} {checks:?}"),
+                }
+                // A check asks for what it needs: fewer rows, or cache rows it did not ask
+                // for, are refused.
+                if r.rows.len() > 1 {
+                    let mut short = r.clone();
+                    short.rows.pop();
+                    assert!(c
+                        .check(&model, &views(&hops, k), &empty(&model), &short, checks)
+                        .is_err());
+                }
+                if !checks.attention() {
+                    let mut extra = r.clone();
+                    extra.cache = log.rows(c.layer(), trace.from + rows).unwrap().to_vec();
+                    let err = c
+                        .check(&model, &views(&hops, k), &empty(&model), &extra, checks)
+                        .unwrap_err();
+                    assert!(err.contains("not asked for"), "{name}: {err}");
+                }
+            }
+        }
+        // Nothing to check is refused, not passed.
+        let (_, _, kept) = &hops[1];
+        let r = kept
+            .reveal(c.layer(), hops[1].0.from, CheckSet::EMPTY, 0, &log)
+            .unwrap();
+        let err = c
+            .check(
+                &model,
+                &views(&hops, 1),
+                &empty(&model),
+                &r,
+                CheckSet::EMPTY,
+            )
+            .unwrap_err();
+        assert!(err.contains("nothing to check"), "{name}: {err}");
+    }
+}
+
+#[test]
+fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
+    for name in TINY {
+        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
+        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
+        let ids = expected_logits(name).pop().unwrap().0;
+        let n = model.config.num_layers;
+        let (hops, log) = stage_hops(&model, &gemm, 0..n, &ids, &[5, 1]);
+        let (trace, _, kept) = &hops[1];
+        let c = &checkers(&model, 0..n, 9)[n - 1];
+        let pos = trace.from;
+        let view = views(&hops, 1);
+        for part in check_parts(&model.config) {
+            let checks = CheckSet::of(&[part]);
+            let honest = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+            let (mut t, mut r) = (trace.clone(), honest.clone());
+            let want = match part {
+                Point::Scores | Point::Context => {
+                    // An attention row other than the recomputed one, committed consistently.
+                    let row = r.rows.iter_mut().find(|x| x.point == part).unwrap();
+                    row.root = leaf_of_encoding(pos, 1, &[7; 12]);
+                    let (cols, root) = (row.cols as usize, row.root);
+                    set(&mut t, c.layer(), part, gemm_commitment(1, cols, &root));
+                    "recomputed from the revealed cache"
+                }
+                Point::Output => {
+                    // A flipped bit of the output, committed consistently.
+                    r.next.data[1] = f32::from_bits(r.next.data[1].to_bits() ^ 1 << 12);
+                    let next = Activations {
+                        start: pos,
+                        hidden: model.config.hidden_size,
+                        data: r.next.data.clone(),
+                    };
+                    let e = t.entries.iter_mut().find(|e| e.point == Point::Output);
+                    e.unwrap().commitment = next.commitment();
+                    "not what the revealed products give"
+                }
+                _ => {
+                    // A consistent lie about the product: wrong in one value by two units in
+                    // the last place.
+                    let row = r.rows.iter().find(|x| x.point == part).unwrap();
+                    let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
+                    let i = values.iter().position(|v| !v.is_zero()).unwrap();
+                    if let Exact::Small { mant, exp } = values[i] {
+                        values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
+                    }
+                    recommit(&mut t, &mut r, part, &values);
+                    "Freivalds"
+                }
+            };
+            let mut v = view.clone();
+            v[1].0 = &t;
+            let err = c.check(&model, &v, &empty(&model), &r, checks).unwrap_err();
+            assert!(err.contains(want), "{name} {part:?}: {err}");
+        }
+        // The output projection tested alone takes the committed context as its input: a
+        // context row that does not open its commitment is refused.
+        let checks = CheckSet::of(&[Point::O]);
+        let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+        let row = r
+            .rows
+            .iter_mut()
+            .find(|x| x.point == Point::Context)
+            .unwrap();
+        row.encoding[0] ^= 1;
+        let err = c
+            .check(&model, &view, &empty(&model), &r, checks)
+            .unwrap_err();
+        assert!(err.contains("does not open"), "{name}: {err}");
+    }
+}
+
+#[test]
+fn parts_are_drawn_independently_at_the_rate() {
+    let parts = [
+        Point::Q,
+        Point::K,
+        Point::V,
+        Point::O,
+        Point::Down,
+        Point::Output,
+    ];
+    assert_eq!(draw_checks(&parts, 1.0, || 0.99), CheckSet::of(&parts));
+    assert!(draw_checks(&parts, 0.0, || 0.0).is_empty());
+    let mut coins = dc_kernels::rng::SplitMix64::new(3);
+    let (draws, rate) = (20_000, 0.06);
+    let mut hits = [0usize; 6];
+    let mut both = 0;
+    for _ in 0..draws {
+        let s = draw_checks(&parts, rate, || coins.unit());
+        for (h, p) in hits.iter_mut().zip(parts) {
+            *h += s.contains(p) as usize;
+        }
+        both += (s.contains(Point::Q) && s.contains(Point::Down)) as usize;
+    }
+    // Five standard deviations either way.
+    let (mean, sd) = (
+        draws as f64 * rate,
+        (draws as f64 * rate * (1.0 - rate)).sqrt(),
+    );
+    for (h, p) in hits.iter().zip(parts) {
+        assert!((*h as f64 - mean).abs() < 5.0 * sd, "{p:?}: {h} of {draws}");
+    }
+    let pair = draws as f64 * rate * rate;
+    assert!(
+        (both as f64 - pair).abs() < 5.0 * pair.sqrt(),
+        "together: {both}"
+    );
 }

@@ -72,8 +72,8 @@ pub struct NodeConfig {
     pub idle_threshold: f32,
     /// Probability that a head audits one remote hop (generations may ask for more).
     pub audit_rate: f32,
-    /// Probability that a head spot-checks one layer of a remote hop (Freivalds on revealed
-    /// rows).
+    /// Probability that a head tests each part (weight product, attention, output) of each
+    /// layer of a remote hop by a spot check (Freivalds on revealed rows).
     pub spot_check_rate: f32,
 }
 
@@ -110,8 +110,8 @@ impl NodeConfig {
             selftest: true,
             idle_only: false,
             idle_threshold: 0.5,
-            audit_rate: 0.1,
-            spot_check_rate: 0.1,
+            audit_rate: 0.01,
+            spot_check_rate: 0.06,
         }
     }
 }

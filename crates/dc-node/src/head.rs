@@ -264,6 +264,7 @@ impl Attempt {
                     h.layers,
                     x.start,
                     x.rows(),
+                    &dc_model::check_parts(&node.model_cfg),
                     self.spot_rate,
                 ),
                 false => Vec::new(),

@@ -1,7 +1,9 @@
-//! Spot checks (docs/VERIFICATION.md): after a remote hop, the head's private coin picks layers
-//! and one row each; the stage reveals those rows of every product with their Merkle paths, and
-//! the head checks each weight product by Freivalds' test and recomputes the layer's glue. Cheap
-//! for everyone: the stage sends what it kept, the head does O(k + n) work per product.
+//! Spot checks (docs/VERIFICATION.md): after a remote hop, the head's private coins draw, for
+//! each layer, which of its parts to test (each weight product, the attention, the output) and
+//! one row; the stage reveals the rows those parts need with their Merkle paths, and the head
+//! tests each drawn weight product by Freivalds' test, recomputes the attention when drawn and
+//! the glue between. Cheap for everyone: the stage sends what it kept, the head does O(k + n)
+//! work per product.
 //!
 //! A failed check is not a proof; it sends the hop to the referee, who proves or clears it.
 //! A stage that will not reveal a one-row hop (which an honest stage always keeps) gets a full
@@ -14,7 +16,8 @@ use dc_kernels::Domain;
 use dc_model::attention::LayerCache;
 use dc_model::{LayerChecker, LoadOptions, Model};
 use dc_types::{
-    GenerationId, LayerRange, RevealPick, RevealRequest, RouteHop, StageRequest, StageResponse,
+    GenerationId, LayerRange, Point, RevealPick, RevealRequest, RouteHop, StageRequest,
+    StageResponse,
 };
 use tracing::{info, warn};
 
@@ -38,8 +41,10 @@ pub struct SpotTally {
     pub bytes: u64,
 }
 
-/// The head's private coin for one remote hop: for each layer of `layers`, with probability
-/// `rate`, a pick of that layer at one row of the hop's `rows` from `from`.
+/// The head's private coins for one remote hop: for each layer of `layers`, each of the
+/// layer's checkable `parts` (`dc_model::check_parts`) drawn with probability `rate`; a layer
+/// with any part drawn is picked at one row of the hop's `rows` from `from`.
+#[allow(clippy::too_many_arguments)]
 pub fn picks(
     secret: &[u8; 32],
     g: &GenerationId,
@@ -47,6 +52,7 @@ pub fn picks(
     layers: LayerRange,
     from: usize,
     rows: usize,
+    parts: &[Point],
     rate: f32,
 ) -> Vec<RevealPick> {
     if rate <= 0.0 || rows == 0 {
@@ -55,18 +61,25 @@ pub fn picks(
     (layers.start..layers.end)
         .filter_map(|layer| {
             let mut h = blake3::Hasher::new_keyed(secret);
-            h.update(b"spot check");
+            h.update(b"spot check parts");
             h.update(&g.0);
             h.update(&step.to_le_bytes());
             h.update(&layer.to_le_bytes());
-            let b = h.finalize();
-            let word =
-                |i: usize| u64::from_le_bytes(b.as_bytes()[i..i + 8].try_into().unwrap_or([0; 8]));
-            let u = (word(0) >> 11) as f64 / (1u64 << 53) as f64;
-            (u < rate as f64).then(|| RevealPick {
+            let mut coins = h.finalize_xof();
+            let mut word = || {
+                let mut b = [0u8; 8];
+                coins.fill(&mut b);
+                u64::from_le_bytes(b)
+            };
+            let row = (word() % rows as u64) as usize;
+            let checks = dc_model::draw_checks(parts, rate as f64, || {
+                (word() >> 11) as f64 / (1u64 << 53) as f64
+            });
+            (!checks.is_empty()).then(|| RevealPick {
                 layer,
-                position: (from + (word(8) % rows as u64) as usize) as u32,
+                position: (from + row) as u32,
                 cache_from: 0,
+                checks,
             })
         })
         .collect()
@@ -101,10 +114,12 @@ pub async fn spot_check(
         picks
             .iter_mut()
             .map(|p| {
-                let mut c = k
-                    .get(&(p.layer as usize))
-                    .cloned()
-                    .unwrap_or_else(|| LayerCache::new(cfg.num_kv_heads, cfg.head_dim));
+                let empty = || LayerCache::new(cfg.num_kv_heads, cfg.head_dim);
+                // Only a check that recomputes the attention reads the cache.
+                if !p.checks.attention() {
+                    return empty();
+                }
+                let mut c = k.get(&(p.layer as usize)).cloned().unwrap_or_else(empty);
                 c.truncate(start);
                 p.cache_from = c.len() as u32;
                 c
@@ -212,7 +227,8 @@ fn tally(node: &Node, f: impl FnOnce(&mut SpotTally)) {
 }
 
 /// Checks each revealed layer against its pick, extending that layer's verified cache (`held`,
-/// in pick order); returns the extended caches, or why a check failed.
+/// in pick order) when the pick recomputes the attention; returns the extended caches, or why
+/// a check failed.
 fn check_all(
     model: &Model,
     checkers: &HashMap<usize, Arc<LayerChecker>>,
@@ -233,8 +249,10 @@ fn check_all(
         let c = checkers
             .get(&(pick.layer as usize))
             .ok_or("no checker for a picked layer")?;
-        c.check_in_place(model, &hops, &mut cache, reveal)?;
-        verified.push((pick.layer as usize, cache));
+        c.check_in_place(model, &hops, &mut cache, reveal, pick.checks)?;
+        if pick.checks.attention() {
+            verified.push((pick.layer as usize, cache));
+        }
     }
     Ok(verified)
 }
@@ -289,4 +307,55 @@ async fn checkers(
         .iter()
         .filter_map(|l| held.get(l).map(|c| (*l, c.clone())))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dc_types::CheckSet;
+
+    const PARTS: [Point; 4] = [Point::Q, Point::Scores, Point::Down, Point::Output];
+
+    fn draw(secret: u8, step: u64, rate: f32) -> Vec<RevealPick> {
+        let layers = LayerRange { start: 4, end: 12 };
+        picks(
+            &[secret; 32],
+            &GenerationId([1; 16]),
+            step,
+            layers,
+            100,
+            5,
+            &PARTS,
+            rate,
+        )
+    }
+
+    #[test]
+    fn every_part_at_rate_one_and_nothing_at_zero() {
+        let all = draw(1, 0, 1.0);
+        assert_eq!(all.len(), 8);
+        for (p, layer) in all.iter().zip(4..) {
+            assert_eq!((p.layer, p.checks), (layer, CheckSet::of(&PARTS)));
+            assert!((100..105).contains(&p.position));
+        }
+        assert!(draw(1, 0, 0.0).is_empty());
+    }
+
+    #[test]
+    fn the_coins_are_the_heads_own_and_differ_by_hop() {
+        // The same secret and hop give the same draws; another secret or step gives others.
+        let a: Vec<_> = (0..50).map(|s| draw(1, s, 0.3)).collect();
+        let again: Vec<_> = (0..50).map(|s| draw(1, s, 0.3)).collect();
+        let other: Vec<_> = (0..50).map(|s| draw(2, s, 0.3)).collect();
+        assert_eq!(a, again);
+        assert_ne!(a, other);
+        assert_ne!(a[0], a[1]);
+        // Parts are drawn apart: layers with only some parts drawn are common.
+        let partial = a
+            .iter()
+            .flatten()
+            .filter(|p| p.checks != CheckSet::of(&PARTS))
+            .count();
+        assert!(partial > 50, "{partial}");
+    }
 }

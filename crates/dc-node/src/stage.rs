@@ -425,7 +425,7 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
             .iter()
             .map(|p| {
                 let (layer, position) = (p.layer as usize, p.position as usize);
-                kept.reveal(layer, position, p.cache_from as usize, &log)
+                kept.reveal(layer, position, p.checks, p.cache_from as usize, &log)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let bytes: usize = reveals

@@ -12,7 +12,7 @@ pub mod wire;
 pub use dc_kernels::Commitment;
 pub use ids::{GenerationId, LayerRange, ModelId};
 pub use messages::*;
-pub use trace::{Entry as TraceEntry, HopTrace, Point};
+pub use trace::{CheckSet, Entry as TraceEntry, HopTrace, Point};
 pub use wire::{decode, encode, WireError};
 
 /// Version of the peer protocol. Peers with another version are ignored (and say why).

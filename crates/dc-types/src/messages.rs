@@ -205,8 +205,8 @@ pub struct CacheRows {
 /// Most (layer, position) picks one reveal request may ask for.
 pub const MAX_REVEAL_PICKS: usize = 256;
 
-/// A spot check's request: for each pick, the row at `position` of every product of `layer`
-/// in hop `step` of `generation`.
+/// A spot check's request: for each pick, the rows at `position` of the products of `layer`
+/// in hop `step` of `generation` that the pick's checks need.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RevealRequest {
     /// The generation.
@@ -225,8 +225,11 @@ pub struct RevealPick {
     /// The absolute position (a row of the hop).
     pub position: u32,
     /// The first position whose cache rows to reveal (the checker holds the earlier ones,
-    /// verified by an earlier check); at most the hop's first position.
+    /// verified by an earlier check); at most the hop's first position. Only used when
+    /// `checks` recomputes the attention.
     pub cache_from: u32,
+    /// The parts of the layer the head will test: the stage reveals what they need.
+    pub checks: crate::trace::CheckSet,
 }
 
 /// What a stage reveals of one layer at one position of a hop: the activations entering the
@@ -243,12 +246,14 @@ pub struct LayerReveal {
     pub input: WireActivations,
     /// The activations leaving it (the next layer's input, or the hop's output).
     pub next: WireActivations,
-    /// One row per product of the layer, in computation order. The attention products' rows
-    /// carry no encoding (the checker recomputes them), only their root and path.
+    /// The row of each product the pick's checks need, in computation order. The attention
+    /// products' rows carry no encoding (the checker recomputes them), only their root and
+    /// path — except the context row when the output projection is tested without
+    /// recomputing the attention (its values are that product's input).
     pub rows: Vec<RevealedRow>,
     /// The layer's KV cache rows of positions `cache_from..` the end of the hop, each in its
     /// canonical encoding (`dc_model::LayerCache::encode_row`), committed hop by hop as
-    /// `KvCache`.
+    /// `KvCache`; empty unless the checks recompute the attention.
     pub cache: Vec<u8>,
 }
 

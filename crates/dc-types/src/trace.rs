@@ -44,6 +44,59 @@ pub enum Point {
     KvCache,
 }
 
+/// The parts of one layer a spot check tests, as a set of [`Point`]s: each weight product
+/// (`Q`, `K`, `V`, `O`, `Gate`, `Up`, `Fc`, `Down`), the attention (`Scores`, `Context`: the
+/// row's attention recomputed on the revealed cache) and the glue that makes the layer's
+/// output (`Output`). The head draws each part independently, so a check reveals and tests only
+/// what its parts need (docs/VERIFICATION.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CheckSet(pub u16);
+
+impl CheckSet {
+    /// Nothing.
+    pub const EMPTY: CheckSet = CheckSet(0);
+
+    /// The set of `points`.
+    pub fn of(points: &[Point]) -> CheckSet {
+        points.iter().fold(CheckSet::EMPTY, |s, &p| s.with(p))
+    }
+
+    /// This set with `point` added.
+    pub fn with(self, point: Point) -> CheckSet {
+        CheckSet(self.0 | 1 << point as u16)
+    }
+
+    /// Whether `point` is in the set.
+    pub fn contains(self, point: Point) -> bool {
+        self.0 & (1 << point as u16) != 0
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// Whether every point of `other` is in this set.
+    pub fn covers(self, other: CheckSet) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The union.
+    pub fn union(self, other: CheckSet) -> CheckSet {
+        CheckSet(self.0 | other.0)
+    }
+
+    /// Whether the row's attention is recomputed (`Scores` or `Context` is tested).
+    pub fn attention(self) -> bool {
+        self.contains(Point::Scores) || self.contains(Point::Context)
+    }
+
+    /// Number of parts.
+    pub fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+}
+
 /// One committed point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {

@@ -129,12 +129,14 @@ pub struct JoinArgs {
     #[arg(long)]
     pub idle_threshold: Option<f64>,
     /// Share of hops to audit by replay on another peer when this daemon heads a
-    /// generation (0 to 1; 1 audits every hop) [default: 0.1].
+    /// generation (0 to 1; 1 audits every hop) [default: 0.01].
     #[arg(long)]
     pub audit_rate: Option<f64>,
-    /// Share of the layers of each remote hop to spot-check when this daemon heads a
-    /// generation: the stage reveals one row of each product, checked by Freivalds' test
-    /// (0 to 1) [default: 0.1].
+    /// Probability of testing each part (each weight product, the attention, the output) of
+    /// each layer of a remote hop by a spot check when this daemon heads a generation: the
+    /// stage reveals the rows the drawn parts need at one position, weight products are
+    /// checked by Freivalds' test, the attention recomputed (0 to 1; 1 tests everything)
+    /// [default: 0.06].
     #[arg(long)]
     pub spot_check_rate: Option<f64>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
@@ -329,9 +331,13 @@ pub struct BenchModelArgs {
     #[arg(long)]
     pub commit: bool,
     /// Also measure spot checks on decode hops: what keeping a hop costs the stage, and per
-    /// checked layer the stage's reveal, the checker's work and the bytes on the wire.
+    /// checked layer the stage's reveal, the checker's work and the bytes on the wire; and
+    /// what checks at a rate cost when every hop's parts are drawn as a head draws them.
     #[arg(long)]
     pub spot_check: bool,
+    /// The rate `--spot-check` draws parts at (0 to 1) [default: the daemon's].
+    #[arg(long, value_parser = rate_arg)]
+    pub spot_check_rate: Option<f64>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -359,4 +365,12 @@ pub struct BenchGemmArgs {
     /// share of the plain product measured in the same run.
     #[arg(long)]
     pub commit: bool,
+}
+
+/// A rate argument: a number from 0 to 1.
+fn rate_arg(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(format!("{s:?} is not a number from 0 to 1")),
+    }
 }

@@ -205,8 +205,8 @@ impl Settings {
             max_message_bytes: d.max_message_bytes,
             selftest: d.selftest,
             // Through the shortest decimal, so 0.1 shows as 0.1 rather than f32's widening.
-            audit_rate: d.audit_rate.to_string().parse().unwrap_or(0.1),
-            spot_check_rate: d.spot_check_rate.to_string().parse().unwrap_or(0.1),
+            audit_rate: d.audit_rate.to_string().parse().unwrap_or(0.01),
+            spot_check_rate: d.spot_check_rate.to_string().parse().unwrap_or(0.06),
         }
     }
 

@@ -229,6 +229,13 @@ struct SpotCosts {
     first_bytes: f64,
     /// Building one layer's checker (once per head and layer), seconds.
     build: f64,
+    /// The policy: every layer's parts drawn at `rate` on every decode hop, as a head draws
+    /// them. Reveals and checks as a share of the committed decode compute, in all; wire
+    /// bytes and picked layers per hop, on average.
+    rate: f64,
+    policy_share: f64,
+    policy_bytes: f64,
+    policy_layers: f64,
 }
 
 /// Tokens between two checks of one layer in the spot-check benchmark (as at a rate of 0.1).
@@ -239,9 +246,14 @@ fn spot_costs(
     gemm: &Gemm,
     prompt: &[u32],
     decode: usize,
+    rate: f64,
 ) -> Result<SpotCosts> {
     use dc_model::trace::HopTrace;
     let n = model.config.num_layers;
+    let parts = dc_model::check_parts(&model.config);
+    let every = dc_types::CheckSet::of(&parts);
+    let mut coins = dc_kernels::rng::SplitMix64::new(7);
+    let (mut policy_s, mut policy_bytes, mut policy_layers) = (0.0, 0.0, 0usize);
     let layers = 0..n;
     let s = Instant::now();
     let checkers = layers
@@ -260,6 +272,7 @@ fn spot_costs(
             dc_model::attention::LayerCache::new(model.config.num_kv_heads, model.config.head_dim)
         })
         .collect();
+    let mut policy_known = known.clone();
     // Two stages over the same positions, one committing and one also keeping, taking turns
     // token by token so the machine's drift hits both alike.
     let mut caches = [0, 1].map(|_| dc_model::KvCache::new(&model.config, layers.clone()));
@@ -290,16 +303,34 @@ fn spot_costs(
         let (c, first) = (&checkers[l], known[l].is_empty());
         let s = Instant::now();
         let r = hop
-            .reveal(l, pos, known[l].len(), &log)
+            .reveal(l, pos, every, known[l].len(), &log)
             .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
         let revealed = s.elapsed().as_secs_f64();
         let size = dc_types::encode(&r, usize::MAX)?.len() as f64;
         let s = Instant::now();
         let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
         // On the engine's threads, as a head runs its checks.
-        gemm.install(|| c.check_in_place(model, &views, &mut known[l], &r))
+        gemm.install(|| c.check_in_place(model, &views, &mut known[l], &r, every))
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
         let checked = s.elapsed().as_secs_f64();
+        // The policy on the same hop: each layer's parts drawn as a head draws them.
+        for l in layers.clone() {
+            let checks = dc_model::draw_checks(&parts, rate, || coins.unit());
+            if checks.is_empty() {
+                continue;
+            }
+            let s = Instant::now();
+            let r = hop
+                .reveal(l, pos, checks, policy_known[l].len(), &log)
+                .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+            gemm.install(|| {
+                checkers[l].check_in_place(model, &views, &mut policy_known[l], &r, checks)
+            })
+            .map_err(|e| anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}"))?;
+            policy_s += s.elapsed().as_secs_f64();
+            policy_bytes += dc_types::encode(&r, usize::MAX)?.len() as f64;
+            policy_layers += 1;
+        }
         if first {
             first_check.push(checked);
             first_bytes.push(size);
@@ -312,8 +343,13 @@ fn spot_costs(
     if check.is_empty() {
         anyhow::bail!("--spot-check needs more than {gap} --decode-tokens");
     }
+    let committed_s: f64 = committed.iter().sum();
     let committed = median(&mut committed);
     Ok(SpotCosts {
+        rate,
+        policy_share: policy_s / committed_s,
+        policy_bytes: policy_bytes / decode as f64,
+        policy_layers: policy_layers as f64 / decode as f64,
         committed: 1.0 / committed,
         kept: 1.0 / median(&mut kept),
         layer: committed / n as f64,
@@ -390,7 +426,11 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             );
         }
         let spot = if a.spot_check {
-            Some(spot_costs(&model, &gemm, &prompt, a.decode_tokens)?)
+            let daemon = dc_node::NodeConfig::new(path.clone(), std::env::temp_dir());
+            let rate = a
+                .spot_check_rate
+                .unwrap_or(daemon.spot_check_rate.to_string().parse()?);
+            Some(spot_costs(&model, &gemm, &prompt, a.decode_tokens, rate)?)
         } else {
             None
         };
@@ -412,6 +452,16 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 c.first_bytes,
                 c.build * 1e3
             );
+            println!(
+                "{} threads {t} spot checks at rate {}: {:.2} layers picked and {:.0} bytes on \
+                 the wire per decode hop; reveals and checks {:.2} % of the committed decode \
+                 compute",
+                kernel.name(),
+                c.rate,
+                c.policy_layers,
+                c.policy_bytes,
+                100.0 * c.policy_share
+            );
         }
         if !a.json && !global.quiet {
             println!(
@@ -432,6 +482,8 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 "reveal_s": c.reveal, "check_s": c.check,
                 "bytes_per_layer": c.bytes, "checker_build_s": c.build,
                 "first_check_s": c.first_check, "first_bytes": c.first_bytes,
+                "rate": c.rate, "rate_share_of_decode": c.policy_share,
+                "rate_bytes_per_hop": c.policy_bytes, "rate_layers_per_hop": c.policy_layers,
             })),
             "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
         }));
