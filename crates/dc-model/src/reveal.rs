@@ -516,6 +516,21 @@ impl LayerChecker {
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             values.push((e.point, decoded));
         }
+        // Every row the checks need that the layer has was committed and revealed.
+        let found = values
+            .iter()
+            .map(|(p, _)| *p)
+            .chain(attention.iter().map(|(p, _)| *p))
+            .fold(CheckSet::EMPTY, CheckSet::with);
+        let has = self.products.iter().map(|(p, _, _)| *p).fold(
+            CheckSet::of(&[Point::Scores, Point::Context]),
+            CheckSet::with,
+        );
+        if found != CheckSet(needed.0 & has.0) {
+            return Err(format!(
+                "layer {l}: the trace or the reveal lacks a row the check needs"
+            ));
+        }
         if reveal.rows.len() != values.len() + attention.len()
             || attention.len() != if checks.attention() { 2 } else { 0 }
         {
@@ -709,6 +724,11 @@ impl Products for Revealed<'_, '_> {
             .ok_or_else(|| ModelError::Input(format!("layer {layer} has no {point:?} product")))?;
         out.clear();
         let Some(row) = self.row(point) else {
+            if self.checks.contains(point) {
+                return Err(ModelError::Input(format!(
+                    "layer {layer}: no {point:?} row"
+                )));
+            }
             // Not needed by anything tested: a stand-in.
             out.resize(key.cols(), 0.0);
             return Ok(());

@@ -559,6 +559,17 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
             )
             .unwrap_err();
         assert!(err.contains("nothing to check"), "{name}: {err}");
+        // A trace without a product the check tests cannot pass it.
+        let (trace, _, kept) = &hops[1];
+        let checks = CheckSet::of(&[Point::Down]);
+        let r = kept.reveal(c.layer(), trace.from, checks, 0, &log).unwrap();
+        let mut t = trace.clone();
+        t.entries
+            .retain(|e| !(e.layer == c.layer() as u32 && e.point == Point::Down));
+        let mut v = views(&hops, 1);
+        v[1].0 = &t;
+        let err = c.check(&model, &v, &empty(&model), &r, checks).unwrap_err();
+        assert!(err.contains("lacks a row"), "{name}: {err}");
     }
 }
 
