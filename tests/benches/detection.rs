@@ -6,11 +6,10 @@
 //!   `H` hops on the liar, docs/VERIFICATION.md predicts detection with probability
 //!   `1 − (1 − f·p)^H`.
 //! - Spot checks only: the head draws each part of each layer of each remote hop (its weight
-//!   products, both attention products, its output: 10 for a Llama layer) with probability
-//!   `c`, and checks a layer with any part drawn at one random row. The flipped output shows
-//!   in any check of the last layer, whatever it tests (the revealed output rows no longer
-//!   hash to the signed output), so a lying hop is caught with probability
-//!   `s = 1 − (1 − c)^10`: `1 − (1 − f·s)^H`.
+//!   products, both attention products, its output) with probability `c`, and checks a layer
+//!   with any part drawn at one random row. The flipped output shows in a check of the last
+//!   layer that draws its output (the only check that reads the activations leaving it), so a
+//!   lying hop is caught with probability `s = c`: `1 − (1 − f·c)^H`.
 //!
 //! Each counts how often the liar is actually proven and excluded.
 //!
@@ -74,8 +73,7 @@ fn main() {
         (0.1, 0.3, 0.0),
         (0.3, 0.3, 0.0),
         (1.0, 0.1, 0.0),
-        (0.1, 0.0, 0.06),
-        (0.3, 0.0, 0.02),
+        (0.3, 0.0, 0.3),
         (1.0, 0.0, 0.06),
         (0.1, 0.0, 1.0),
     ];
@@ -139,9 +137,9 @@ fn main() {
         // H: the liar's hops in a generation it was not caught in (all of them).
         let h = full_hops.iter().copied().max().unwrap_or(16) as f64;
         let lying = if kind == "attention" { h - 1.0 } else { h };
-        // A lying hop's spot check sees the lie when it draws any part of the last layer
+        // A lying hop's spot check sees the lie when it draws the last layer's output
         // (flip-bit) or one of its two attention products (attention).
-        let parts = if kind == "attention" { 2 } else { 10 };
+        let parts = if kind == "attention" { 2 } else { 1 };
         let s = 1.0 - (1.0 - c).powi(parts);
         let predicted = 1.0 - (1.0 - f * p).powf(lying) * (1.0 - f * s).powf(lying);
         println!(

@@ -28,6 +28,6 @@ pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{Activations, KvCache, LoadOptions, Model};
 pub use reveal::{
-    check_cache_rows, check_parts, draw_checks, rows_needed, CacheLog, KeptHop, LayerChecker,
+    check_cache_rows, check_parts, draw_checks, rows_needed, CacheLog, KeptHop, LayerChecker, Needs,
 };
 pub use source::{TensorInfo, TensorSource};

@@ -211,8 +211,8 @@ impl KeptHop {
     }
 
     /// Reveals what a check of `checks` needs of `layer` at `position` ([`rows_needed`]): the
-    /// activations entering and leaving the layer, the row at that position of each product
-    /// needed (the attention products' by root and path only, but for the context's values
+    /// activations entering and leaving the layer (if needed: otherwise no rows), the row at
+    /// that position of each product needed (the attention products' by root and path only, but for the context's values
     /// when they are needed), and, when the attention is recomputed, the layer's cache rows
     /// from `cache_from` (at most the hop's first position) to the end of the hop, from `log`.
     pub fn reveal(
@@ -238,13 +238,13 @@ impl KeptHop {
             Some(n) => &n.input,
             None => self.output.as_ref().ok_or("the hop did not finish")?,
         };
-        let (needed, context_values) = rows_needed(checks);
+        let needs = rows_needed(checks);
         let rows = l
             .products
             .iter()
-            .filter(|(p, _)| needed.contains(*p))
+            .filter(|(p, _)| needs.rows.contains(*p))
             .map(|(p, k)| {
-                k.reveal(*p, first, index, context_values)
+                k.reveal(*p, first, index, needs.context_values)
                     .ok_or("a kept product is short")
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
@@ -260,28 +260,51 @@ impl KeptHop {
             })?,
             false => &[],
         };
+        // Activations a check does not need travel as no rows.
+        let wire_if = |a: &Activations, needed: bool| match needed {
+            true => wire(a),
+            false => WireActivations {
+                start: a.start as u32,
+                hidden: a.hidden as u32,
+                data: Vec::new(),
+            },
+        };
         Ok(LayerReveal {
             layer: layer as u32,
             position: position as u32,
-            input: wire(&l.input),
-            next: wire(next),
+            input: wire_if(&l.input, needs.input),
+            next: wire_if(next, needs.next),
             rows,
             cache: cache.to_vec(),
         })
     }
 }
 
-/// What a check of `checks` needs revealed: the rows of these products (those the layer has),
-/// and whether the context row's values are among them. A tested weight product needs its own
-/// row and the rows its input is made from (the output projection's input is the attention
-/// context, taken as committed unless the attention is recomputed; the MLP's first products'
-/// the output projection's; the down projection's the MLP's first products'); the attention
-/// needs q, k and v and both attention rows' openings; the layer's output needs the output
-/// and down projections.
-pub fn rows_needed(checks: CheckSet) -> (CheckSet, bool) {
+/// What a check needs revealed ([`rows_needed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    /// The rows of these products (those the layer has).
+    pub rows: CheckSet,
+    /// Whether the context row carries its values (the output projection's input).
+    pub context_values: bool,
+    /// Whether the activations entering the layer are needed (the first products' input, the
+    /// residuals).
+    pub input: bool,
+    /// Whether the activations leaving it are (the output's check).
+    pub next: bool,
+}
+
+/// What a check of `checks` needs revealed. A tested weight product needs its own row and the
+/// rows its input is made from: q, k and v the layer's input; the output projection the
+/// attention context (taken as committed unless the attention is recomputed); the MLP's first
+/// products the layer's input and the output projection; the down projection the MLP's first
+/// products. The attention needs q, k and v and both attention rows' openings; the layer's
+/// output needs its input, the output and down projections and the activations leaving it.
+pub fn rows_needed(checks: CheckSet) -> Needs {
     use Point::*;
     let weights = CheckSet::of(&[Q, K, V, O, Gate, Up, Fc, Down]);
     let mlp_in = CheckSet::of(&[Gate, Up, Fc]);
+    let takes_mlp_in = CheckSet(checks.0 & mlp_in.0) != CheckSet::EMPTY;
     let mut rows = CheckSet(checks.0 & weights.0);
     let context_values = checks.contains(O) && !checks.attention();
     if checks.attention() {
@@ -290,7 +313,7 @@ pub fn rows_needed(checks: CheckSet) -> (CheckSet, bool) {
     if context_values {
         rows = rows.with(Context);
     }
-    if CheckSet(checks.0 & mlp_in.0) != CheckSet::EMPTY || checks.contains(Output) {
+    if takes_mlp_in || checks.contains(Output) {
         rows = rows.with(O);
     }
     if checks.contains(Down) {
@@ -299,7 +322,13 @@ pub fn rows_needed(checks: CheckSet) -> (CheckSet, bool) {
     if checks.contains(Output) {
         rows = rows.with(Down);
     }
-    (rows, context_values)
+    let input = [Q, K, V, Output].iter().any(|&p| checks.contains(p)) || takes_mlp_in;
+    Needs {
+        rows,
+        context_values,
+        input,
+        next: checks.contains(Output),
+    }
 }
 
 /// The parts of a layer of `config` a spot check can test: each weight product, both attention
@@ -433,7 +462,8 @@ impl LayerChecker {
         if checks.is_empty() {
             return Err("nothing to check".into());
         }
-        let (needed, context_values) = rows_needed(checks);
+        let needs = rows_needed(checks);
+        let (needed, context_values) = (needs.rows, needs.context_values);
         if reveal.layer != l {
             return Err(format!("layer {} revealed for layer {l}", reveal.layer));
         }
@@ -441,9 +471,10 @@ impl LayerChecker {
             .checked_sub(trace.from)
             .filter(|&i| i < rows)
             .ok_or_else(|| format!("position {pos} is not a row of the hop"))?;
-        let input = hop_rows(&reveal.input, trace.from, rows, cfg.hidden_size)?;
-        let next = hop_rows(&reveal.next, trace.from, rows, cfg.hidden_size)?;
-        if trace.get(l, Point::Input) != Some(input.commitment()) {
+        let h = cfg.hidden_size;
+        let input = hop_rows(&reveal.input, trace.from, rows, h, needs.input)?;
+        let next = hop_rows(&reveal.next, trace.from, rows, h, needs.next)?;
+        if needs.input && trace.get(l, Point::Input) != Some(input.commitment()) {
             return Err(format!(
                 "layer {l}: the revealed input is not the committed one"
             ));
@@ -451,7 +482,7 @@ impl LayerChecker {
         let next_commitment = trace
             .get(l + 1, Point::Input)
             .or_else(|| trace.get(l, Point::Output));
-        if next_commitment != Some(next.commitment()) {
+        if needs.next && next_commitment != Some(next.commitment()) {
             return Err(format!(
                 "layer {l}: the revealed output is not the committed one"
             ));
@@ -667,24 +698,32 @@ pub fn check_cache_rows(
     Ok(())
 }
 
-/// Revealed activations of a hop: `rows` rows of `hidden` from `first`.
+/// Revealed activations of a hop: `rows` rows of `hidden` from `first` if `needed`, none
+/// otherwise (then zeros stand in: nothing checked depends on them).
 fn hop_rows(
     w: &WireActivations,
     first: usize,
     rows: usize,
     hidden: usize,
+    needed: bool,
 ) -> std::result::Result<Activations, String> {
-    if w.start as usize != first || w.hidden as usize != hidden || w.data.len() != rows * hidden {
+    let len = if needed { rows * hidden } else { 0 };
+    if w.start as usize != first || w.hidden as usize != hidden || w.data.len() != len {
         return Err(format!(
-            "revealed activations cover {} values from position {}, not the hop's {rows} rows",
+            "revealed activations cover {} values from position {}, not the {} rows the \
+             check needs of the hop's {rows}",
             w.data.len(),
-            w.start
+            w.start,
+            len / hidden.max(1)
         ));
     }
     Ok(Activations {
         start: first,
         hidden,
-        data: w.data.clone(),
+        data: match needed {
+            true => w.data.clone(),
+            false => vec![0.0; rows * hidden],
+        },
     })
 }
 

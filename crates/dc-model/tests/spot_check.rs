@@ -502,7 +502,11 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
                 let r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
                 // Exactly the rows the parts need, the context's values only as the output
                 // projection's input, the cache only for the attention.
-                let (needed, values) = rows_needed(checks);
+                let needs = rows_needed(checks);
+                let (needed, values) = (needs.rows, needs.context_values);
+                // Activations only when needed.
+                assert_eq!(r.input.data.is_empty(), !needs.input, "{name} {checks:?}");
+                assert_eq!(r.next.data.is_empty(), !needs.next, "{name} {checks:?}");
                 let got = CheckSet::of(&r.rows.iter().map(|x| x.point).collect::<Vec<_>>());
                 let has = CheckSet::of(&parts);
                 assert_eq!(got, CheckSet(needed.0 & has.0), "{name} {checks:?}");
@@ -533,6 +537,14 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
                     assert!(c
                         .check(&model, &views(&hops, k), &empty(&model), &short, checks)
                         .is_err());
+                }
+                if !needs.input {
+                    let mut extra = r.clone();
+                    extra.input.data = vec![0.0; rows * model.config.hidden_size];
+                    let err = c
+                        .check(&model, &views(&hops, k), &empty(&model), &extra, checks)
+                        .unwrap_err();
+                    assert!(err.contains("the check needs"), "{name}: {err}");
                 }
                 if !checks.attention() {
                     let mut extra = r.clone();
