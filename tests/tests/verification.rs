@@ -279,6 +279,18 @@ fn honest_swarms_never_fail_an_audit() {
     );
     assert_eq!(failed, 0, "an honest swarm never fails an audit");
     assert!(spot_run > 20, "spot checks must actually run: {spot_run}");
+    // b draws parts at 0.3: its checks test some parts of a layer, not all ten, and recompute
+    // the attention of only some layers.
+    let bs = &b.status()["audits"]["spot_checks"];
+    let (layers, parts, attention) = (
+        bs["layers"].as_u64().unwrap(),
+        bs["parts"].as_u64().unwrap(),
+        bs["attention"].as_u64().unwrap(),
+    );
+    assert!(
+        layers > 0 && parts > layers && parts < 10 * layers && attention < layers,
+        "b's checks: {bs}"
+    );
     assert_eq!(spot_failed, 0, "an honest swarm never fails a spot check");
     drop((c, d));
 }

@@ -37,6 +37,10 @@ pub struct SpotTally {
     pub unavailable: u64,
     /// (layer, row) pairs checked.
     pub layers: u64,
+    /// Parts of those layers tested (weight products, attention products, outputs).
+    pub parts: u64,
+    /// Of those layers, the ones whose attention was recomputed.
+    pub attention: u64,
     /// Bytes of revealed rows and activations received.
     pub bytes: u64,
 }
@@ -167,6 +171,8 @@ pub async fn spot_check(
         })
         .sum();
     let layers: Vec<usize> = picks.iter().map(|p| p.layer as usize).collect();
+    let parts: u64 = picks.iter().map(|p| p.checks.len() as u64).sum();
+    let attention = picks.iter().filter(|p| p.checks.attention()).count() as u64;
     let (checkers, model) = match (checkers(&node, &layers).await, node.serving()) {
         (Ok(c), Some(s)) => (c, s.model.clone()),
         (Err(e), _) => {
@@ -203,6 +209,8 @@ pub async fn spot_check(
     tally(&node, |t| {
         t.run += 1;
         t.layers += n;
+        t.parts += parts;
+        t.attention += attention;
         t.bytes += bytes as u64;
         if checked.is_ok() {
             t.passed += 1;
