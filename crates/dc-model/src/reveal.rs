@@ -304,8 +304,8 @@ pub fn rows_needed(checks: CheckSet) -> Needs {
     use Point::*;
     let weights = CheckSet::of(&[Q, K, V, O, Gate, Up, Fc, Down]);
     let mlp_in = CheckSet::of(&[Gate, Up, Fc]);
-    let takes_mlp_in = CheckSet(checks.0 & mlp_in.0) != CheckSet::EMPTY;
-    let mut rows = CheckSet(checks.0 & weights.0);
+    let takes_mlp_in = !checks.intersection(mlp_in).is_empty();
+    let mut rows = checks.intersection(weights);
     let context_values = checks.contains(O) && !checks.attention();
     if checks.attention() {
         rows = rows.union(CheckSet::of(&[Q, K, V, Scores, Context]));
@@ -557,7 +557,7 @@ impl LayerChecker {
             CheckSet::of(&[Point::Scores, Point::Context]),
             CheckSet::with,
         );
-        if found != CheckSet(needed.0 & has.0) {
+        if found != needed.intersection(has) {
             return Err(format!(
                 "layer {l}: the trace or the reveal lacks a row the check needs"
             ));

@@ -102,6 +102,13 @@ fn stage_hops_tampered(
     (out, log)
 }
 
+/// The fixture `name`, an engine of `threads` threads and the fixture's prompt.
+fn fixture(name: &str, threads: usize) -> (Model, Gemm, Vec<u32>) {
+    let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
+    let gemm = Gemm::new(Kernel::best(), threads).unwrap();
+    (model, gemm, expected_logits(name).pop().unwrap().0)
+}
+
 /// Every part of a layer: the full check.
 fn every(model: &Model) -> CheckSet {
     CheckSet::of(&check_parts(&model.config))
@@ -126,9 +133,7 @@ fn checkers(model: &Model, layers: std::ops::Range<usize>, secret: u8) -> Vec<La
 #[test]
 fn honest_reveals_pass_for_every_layer_and_row() {
     for name in TINY {
-        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
-        let gemm = Gemm::new(Kernel::best(), 2).unwrap();
-        let ids = expected_logits(name).pop().unwrap().0;
+        let (model, gemm, ids) = fixture(name, 2);
         let n = model.config.num_layers;
         let stage = 1..n;
         let (hops, log) = stage_hops(&model, &gemm, stage.clone(), &ids, &[17, 9, 1, 1, 1]);
@@ -263,9 +268,7 @@ fn recommit(trace: &mut HopTrace, reveal: &mut LayerReveal, point: Point, values
 #[test]
 fn lies_in_a_reveal_are_refused() {
     for name in TINY {
-        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
-        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
-        let ids = expected_logits(name).pop().unwrap().0;
+        let (model, gemm, ids) = fixture(name, 1);
         let stage = 0..model.config.num_layers;
         let (hops, log) = stage_hops(&model, &gemm, stage.clone(), &ids, &[5, 1]);
         let (trace, _, kept) = &hops[1];
@@ -441,9 +444,7 @@ fn an_attention_lie_kept_consistent_is_caught() {
     // honestly from there: every weight product passes Freivalds' test, every commitment
     // opens, and only the recomputed attention shows the lie.
     for name in TINY {
-        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
-        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
-        let ids = expected_logits(name).pop().unwrap().0;
+        let (model, gemm, ids) = fixture(name, 1);
         let stage = 0..model.config.num_layers;
         let layer = stage.end - 1;
         let c = &checkers(&model, stage.clone(), 3)[layer];
@@ -484,9 +485,7 @@ fn an_attention_lie_kept_consistent_is_caught() {
 #[test]
 fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
     for name in TINY {
-        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
-        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
-        let ids = expected_logits(name).pop().unwrap().0;
+        let (model, gemm, ids) = fixture(name, 1);
         let n = model.config.num_layers;
         let (hops, log) = stage_hops(&model, &gemm, 0..n, &ids, &[9, 1, 1]);
         let parts = check_parts(&model.config);
@@ -509,7 +508,7 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
                 assert_eq!(r.next.data.is_empty(), !needs.next, "{name} {checks:?}");
                 let got = CheckSet::of(&r.rows.iter().map(|x| x.point).collect::<Vec<_>>());
                 let has = CheckSet::of(&parts);
-                assert_eq!(got, CheckSet(needed.0 & has.0), "{name} {checks:?}");
+                assert_eq!(got, needed.intersection(has), "{name} {checks:?}");
                 for x in &r.rows {
                     let carries = !x.encoding.is_empty();
                     let wants = !matches!(x.point, Point::Scores | Point::Context)
@@ -588,9 +587,7 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
 #[test]
 fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
     for name in TINY {
-        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
-        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
-        let ids = expected_logits(name).pop().unwrap().0;
+        let (model, gemm, ids) = fixture(name, 1);
         let n = model.config.num_layers;
         let (hops, log) = stage_hops(&model, &gemm, 0..n, &ids, &[5, 1]);
         let (trace, _, kept) = &hops[1];

@@ -76,14 +76,14 @@ impl CheckSet {
         self.0 == 0
     }
 
-    /// Whether every point of `other` is in this set.
-    pub fn covers(self, other: CheckSet) -> bool {
-        self.0 & other.0 == other.0
-    }
-
     /// The union.
     pub fn union(self, other: CheckSet) -> CheckSet {
         CheckSet(self.0 | other.0)
+    }
+
+    /// The points in both sets.
+    pub fn intersection(self, other: CheckSet) -> CheckSet {
+        CheckSet(self.0 & other.0)
     }
 
     /// Whether the row's attention is recomputed (`Scores` or `Context` is tested).
