@@ -156,6 +156,20 @@ pub fn encode_exact(value: &Exact, out: &mut Vec<u8>) {
     }
 }
 
+/// Appends the canonical encoding of `sum · 2^exp` (what [`encode_exact`] gives for
+/// `Exact::from_i64(sum, exp)`, without building the value).
+#[inline]
+pub fn encode_sum(sum: i64, exp: i32, out: &mut Vec<u8>) {
+    let (mant, exp) = match sum {
+        0 => (0, 0),
+        _ => {
+            let tz = sum.trailing_zeros();
+            (sum >> tz, exp + tz as i32)
+        }
+    };
+    out.extend_from_slice(&small_bytes(mant, exp));
+}
+
 /// The 12-byte encoding of a small value: `mant: i64 LE, exp: i32 LE`.
 #[inline]
 fn small_bytes(mant: i64, exp: i32) -> [u8; 12] {
@@ -258,30 +272,43 @@ pub fn commit_gemm_at(acc: &Accumulators, first: usize) -> Commitment {
 /// `first..first + rows`: what a hop that started at `from` committed, recomputed from a longer
 /// run (an audit replays every earlier position to rebuild the caches).
 pub fn commit_gemm_from(acc: &Accumulators, first: usize, from: usize) -> Commitment {
+    commit_leaves(acc, &row_leaves_from(acc, first, from))
+}
+
+/// The leaves of the rows of `acc` that [`commit_gemm_from`] commits (those from position
+/// `from` on, the first row being at `first`).
+pub fn row_leaves_from(acc: &Accumulators, first: usize, from: usize) -> Vec<Commitment> {
     let skip = from.saturating_sub(first).min(acc.rows);
     let mut bytes = Vec::new();
-    let leaves: Vec<Commitment> = (skip..acc.rows)
+    (skip..acc.rows)
         .map(|r| {
             leaf_bytes(acc, r, first + r, &mut bytes);
             Domain::GemmRow.hash(&bytes)
         })
-        .collect();
-    gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
+        .collect()
 }
 
-/// [`commit_gemm_from`] with the rows hashed in parallel on the current rayon pool; the leaves
-/// keep their order, so the commitment is the same.
-pub(crate) fn commit_gemm_from_par(acc: &Accumulators, first: usize, from: usize) -> Commitment {
+/// The commitment of `acc`'s product from the leaves of its committed rows.
+pub fn commit_leaves(acc: &Accumulators, leaves: &[Commitment]) -> Commitment {
+    gemm_commitment(leaves.len(), acc.cols, &merkle_root(leaves))
+}
+
+/// [`row_leaves_from`] with the rows hashed in parallel on the current rayon pool; the leaves
+/// keep their order.
+pub(crate) fn row_leaves_from_par(
+    acc: &Accumulators,
+    first: usize,
+    from: usize,
+) -> Vec<Commitment> {
     use rayon::prelude::*;
     let skip = from.saturating_sub(first).min(acc.rows);
-    let leaves: Vec<Commitment> = (skip..acc.rows)
+    (skip..acc.rows)
         .into_par_iter()
         .map_init(Vec::new, |bytes, r| {
             leaf_bytes(acc, r, first + r, bytes);
             Domain::GemmRow.hash(bytes)
         })
-        .collect();
-    gemm_commitment(acc.rows - skip, acc.cols, &merkle_root(&leaves))
+        .collect()
 }
 
 /// A row leaf from exact values computed outside a GEMM kernel (the attention products), in
@@ -426,6 +453,23 @@ mod tests {
                     assert!(!verify_merkle(&root, &l[i], (i + 1) % n, n, &proof));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_sum_encodes_as_its_canonical_value() {
+        for (sum, exp) in [
+            (0i64, 5),
+            (6, -3),
+            (-8, 2),
+            (i64::MIN, -70),
+            (i64::MAX, 9),
+            (1, 0),
+        ] {
+            let (mut fast, mut slow) = (Vec::new(), Vec::new());
+            encode_sum(sum, exp, &mut fast);
+            encode_exact(&Exact::from_i64(sum, exp), &mut slow);
+            assert_eq!(fast, slow, "{sum} · 2^{exp}");
         }
     }
 

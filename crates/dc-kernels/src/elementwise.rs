@@ -50,46 +50,59 @@ pub fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [
 /// Softmax in place. Entries equal to `-inf` are masked: they become exact zeros and do not
 /// take part. `p_i = f32(exp(x_i - max) / Σ exp(x_j - max))`, exp and the sum in f64, the sum
 /// sequential in index order (for attention: absolute key order). An all-masked row becomes
-/// all zeros.
+/// all zeros. This is the definition; [`softmax_with`] is the same function, faster.
 pub fn softmax(x: &mut [f32]) {
-    softmax_with(x, &mut Vec::new());
+    let Some(max) = softmax_max(x) else {
+        x.fill(0.0);
+        return;
+    };
+    let exps: Vec<f64> = x
+        .iter()
+        .map(|&v| match v == f32::NEG_INFINITY {
+            true => 0.0,
+            false => libm::exp(v as f64 - max),
+        })
+        .collect();
+    softmax_finish(x, &exps);
 }
 
-/// [`softmax`] with a caller's scratch buffer: each `exp` is taken once and kept in `exps`
-/// (the same libm call on the same input, so the same bits as taking it twice).
-pub fn softmax_with(x: &mut [f32], exps: &mut Vec<f64>) {
+/// The largest unmasked entry, in f64 (`None` if every entry is masked).
+fn softmax_max(x: &[f32]) -> Option<f64> {
     let max = x
         .iter()
         .copied()
         .filter(|v| *v != f32::NEG_INFINITY)
         .fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY {
-        x.fill(0.0);
-        return;
-    }
-    let max = max as f64;
-    exps.clear();
-    exps.extend(x.iter().map(|&v| {
-        if v == f32::NEG_INFINITY {
-            0.0
-        } else {
-            libm::exp(v as f64 - max)
-        }
-    }));
-    // Summed in order, skipping the masked values, exactly as the definition does.
+    (max != f32::NEG_INFINITY).then_some(max as f64)
+}
+
+/// The probabilities from the exps: their sum in order, skipping the masked values, then one
+/// division per entry.
+fn softmax_finish(x: &mut [f32], exps: &[f64]) {
     let mut sum = 0f64;
-    for (&v, &e) in x.iter().zip(exps.iter()) {
+    for (&v, &e) in x.iter().zip(exps) {
         if v != f32::NEG_INFINITY {
             sum += e;
         }
     }
-    for (v, &e) in x.iter_mut().zip(exps.iter()) {
+    for (v, &e) in x.iter_mut().zip(exps) {
         *v = if *v == f32::NEG_INFINITY {
             0.0
         } else {
             (e / sum) as f32
         };
     }
+}
+
+/// [`softmax`] with a caller's scratch buffer and the exps four at a time
+/// ([`crate::exp::exp_shifted`]: `libm::exp`'s own operations, so the same bits).
+pub fn softmax_with(x: &mut [f32], exps: &mut Vec<f64>) {
+    let Some(max) = softmax_max(x) else {
+        x.fill(0.0);
+        return;
+    };
+    crate::exp::exp_shifted(x, max, exps);
+    softmax_finish(x, exps);
 }
 
 /// `log Σ exp(x_i)` of a row in f64 (for perplexity and KL measurements, not for the model).
@@ -107,6 +120,18 @@ pub fn log_sum_exp(x: &[f32]) -> f64 {
 pub fn silu(x: f32) -> f32 {
     let x = x as f64;
     (x / (1.0 + libm::exp(-x))) as f32
+}
+
+/// `a_i = silu(a_i) · b_i` for every `i` (SwiGLU's gate times up), the exps four at a time
+/// ([`crate::exp::exp_into`]: `libm::exp`'s own operations, so [`silu`]'s bits).
+pub fn silu_mul(a: &mut [f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "silu_mul lengths");
+    let neg: Vec<f64> = a.iter().map(|&x| -(x as f64)).collect();
+    let mut e = vec![0f64; a.len()];
+    crate::exp::exp_into(&neg, &mut e);
+    for ((x, &y), &e) in a.iter_mut().zip(b).zip(&e) {
+        *x = ((*x as f64) / (1.0 + e)) as f32 * y;
+    }
 }
 
 /// GELU, tanh form (GPT-2's `gelu_new`):
@@ -219,7 +244,7 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn softmax_keeping_each_exp_is_the_definition(
+        fn both_softmaxes_are_the_definition(
             x in proptest::collection::vec(
                 proptest::prop_oneof![
                     -100f32..100.0,
@@ -229,9 +254,25 @@ mod tests {
                 0..300,
             )
         ) {
-            let (mut fast, mut slow) = (x.clone(), x);
-            softmax(&mut fast);
+            let (mut kept, mut vector, mut slow) = (x.clone(), x.clone(), x);
+            softmax(&mut kept);
+            softmax_with(&mut vector, &mut Vec::new());
             softmax_definition(&mut slow);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits(&kept), bits(&slow));
+            proptest::prop_assert_eq!(bits(&vector), bits(&slow));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn silu_mul_is_silu_times(a in proptest::collection::vec(
+                                      proptest::prop_oneof![-30f32..30.0, -1e4f32..1e4, -1e-9f32..1e-9], 0..70),
+                                  b in proptest::collection::vec(-3f32..3.0, 70)) {
+            let b = &b[..a.len()];
+            let mut fast = a.clone();
+            silu_mul(&mut fast, b);
+            let slow: Vec<f32> = a.iter().zip(b).map(|(&x, &y)| silu(x) * y).collect();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(bits(&fast), bits(&slow));
         }

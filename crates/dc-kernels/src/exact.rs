@@ -86,57 +86,6 @@ impl Exact {
     }
 }
 
-/// A row of exact values being built, for products computed outside the GEMM kernels
-/// (attention). It remembers whether any value is wide, so that dropping a row of small
-/// values (nearly every row) frees the buffer without visiting every value.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ExactRow {
-    values: Vec<Exact>,
-    any_wide: bool,
-}
-
-impl ExactRow {
-    /// An empty row.
-    pub fn new() -> ExactRow {
-        ExactRow::default()
-    }
-
-    /// Reserves room for exactly `additional` more values.
-    pub fn reserve_exact(&mut self, additional: usize) {
-        self.values.reserve_exact(additional);
-    }
-
-    /// Appends a value.
-    #[inline]
-    pub fn push(&mut self, value: Exact) {
-        self.any_wide |= matches!(value, Exact::Wide { .. });
-        self.values.push(value);
-    }
-
-    /// The values.
-    pub fn as_slice(&self) -> &[Exact] {
-        &self.values
-    }
-}
-
-impl std::ops::Deref for ExactRow {
-    type Target = [Exact];
-
-    fn deref(&self) -> &[Exact] {
-        &self.values
-    }
-}
-
-impl Drop for ExactRow {
-    fn drop(&mut self) {
-        if !self.any_wide {
-            // SAFETY: every value is `Exact::Small`, which owns nothing: forgetting the values
-            // instead of dropping them one by one leaks nothing. The buffer is still freed.
-            unsafe { self.values.set_len(0) };
-        }
-    }
-}
-
 fn trim(limbs: &mut Vec<u64>) {
     while limbs.len() > 1 && limbs.last() == Some(&0) {
         limbs.pop();
@@ -364,24 +313,6 @@ fn shift_right(limbs: &mut [u64], by: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exact_rows_hold_and_drop_small_and_wide_values() {
-        let mut small = ExactRow::new();
-        small.reserve_exact(3);
-        small.push(Exact::from_i64(3, 1));
-        small.push(Exact::ZERO);
-        assert_eq!(
-            small.as_slice(),
-            &[Exact::Small { mant: 3, exp: 1 }, Exact::ZERO]
-        );
-        let mut wide = small.clone();
-        wide.push(exact_sum(&[(1, 200), (1, -300)]));
-        assert!(matches!(wide[2], Exact::Wide { .. }));
-        assert_eq!(wide.len(), 3);
-        drop(small);
-        drop(wide);
-    }
 
     #[test]
     fn canonical_form_strips_powers_of_two() {

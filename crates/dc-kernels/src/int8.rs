@@ -1,8 +1,9 @@
-//! The two exact int8 loops attention runs once per key: a block's dot product (scores) and a
-//! row of values times one quantised probability added to i32 accumulators (context). SSE2 on
-//! x86_64 (part of the baseline: no detection needed), the scalar definition elsewhere; both
-//! forms are property-tested against each other. Every product of two int8s fits an i16, and
-//! every sum here fits an i32, so the vector forms compute the same integers.
+//! The exact int8 loops attention runs per key: block dot products (scores) and rows of values
+//! times quantised probabilities added to i32 accumulators (context). SSE2 on x86_64 (part of
+//! the baseline: no detection needed) and AVX2 where the CPU has it, the scalar definition
+//! elsewhere; every form is property-tested against the definition. Every product of two
+//! int8s fits an i16, and every sum here fits an i32, so the vector forms compute the same
+//! integers whatever order they add them in.
 
 use crate::quant::BLOCK;
 
@@ -45,6 +46,249 @@ pub fn add_scaled(acc: &mut [i32], q: i8, v: &[i8]) {
 pub fn add_scaled_scalar(acc: &mut [i32], q: i8, v: &[i8]) {
     for (a, &x) in acc.iter_mut().zip(v) {
         *a += q as i32 * x as i32;
+    }
+}
+
+/// The block dot products of one query against `n` keys: key `i` is the `q.len()` int8s at
+/// `keys[i · stride..]`, and `out[i · blocks + b]` receives block `b`'s dot product
+/// (`blocks = q.len() / BLOCK`). `out` is resized to `n · blocks`; every entry is written (so
+/// a reused buffer is not cleared first).
+pub fn block_dots(q: &[i8], keys: &[i8], stride: usize, n: usize, out: &mut Vec<i32>) {
+    let blocks = q.len() / BLOCK;
+    assert!(q.len() == blocks * BLOCK, "the query is whole blocks");
+    assert!(
+        n == 0 || (n - 1) * stride + q.len() <= keys.len(),
+        "every key is inside `keys`"
+    );
+    out.truncate(n * blocks);
+    out.resize(n * blocks, 0);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 was detected; the bounds were checked above.
+        unsafe { avx2::block_dots(q, keys, stride, n, out) };
+        return;
+    }
+    block_dots_scalar(q, keys, stride, n, out);
+}
+
+/// The definition of [`block_dots`] (`out` already `n · blocks` long).
+pub fn block_dots_scalar(q: &[i8], keys: &[i8], stride: usize, n: usize, out: &mut [i32]) {
+    let blocks = q.len() / BLOCK;
+    for i in 0..n {
+        for b in 0..blocks {
+            let qb = q[b * BLOCK..(b + 1) * BLOCK]
+                .try_into()
+                .expect("BLOCK long");
+            let at = i * stride + b * BLOCK;
+            let kb = keys[at..at + BLOCK].try_into().expect("BLOCK long");
+            out[i * blocks + b] = block_dot(qb, kb);
+        }
+    }
+}
+
+/// `acc_d += Σ_j q_j · v[at_j + d]` for every `(q_j, at_j)` of `rows` and every `d <
+/// acc.len()` (no sum may overflow an i32, which holds for any 2^17 rows).
+pub fn add_scaled_rows(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
+    assert!(
+        rows.iter().all(|&(_, at)| at + acc.len() <= v.len()),
+        "every row is inside `v`"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 was detected; the bounds were checked above.
+        unsafe { avx2::add_scaled_rows(acc, v, rows) };
+        return;
+    }
+    add_scaled_rows_scalar(acc, v, rows);
+}
+
+/// The definition of [`add_scaled_rows`].
+pub fn add_scaled_rows_scalar(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
+    let n = acc.len();
+    for &(q, at) in rows {
+        add_scaled_scalar(acc, q, &v[at..at + n]);
+    }
+}
+
+/// Whether this CPU has AVX2 (detected once by the standard library, then a cached load).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! Eight block dot products reduced at once (`vphaddd`), and value rows taken two at a
+    //! time: their int8s sign-extended to i16 and interleaved, so one `vpmaddwd` by the pair of
+    //! probabilities adds both rows' products into i32 lanes held in registers.
+    use std::arch::x86_64::*;
+
+    use crate::quant::BLOCK;
+
+    /// The 32 int8s at `p` as two vectors of 16 i16s.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen32(p: *const i8) -> (__m256i, __m256i) {
+        // SAFETY: the caller guarantees 32 readable bytes at `p`; the loads are unaligned.
+        unsafe {
+            (
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast())),
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16).cast())),
+            )
+        }
+    }
+
+    /// The eight lane sums of `v[0..8]`, in order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn reduce8(v: &[__m256i; 8]) -> __m256i {
+        let a = _mm256_hadd_epi32(v[0], v[1]);
+        let b = _mm256_hadd_epi32(v[2], v[3]);
+        let c = _mm256_hadd_epi32(v[4], v[5]);
+        let d = _mm256_hadd_epi32(v[6], v[7]);
+        // Per 128-bit half: the partial sums of v0..v3 (ab) and v4..v7 (cd).
+        let ab = _mm256_hadd_epi32(a, b);
+        let cd = _mm256_hadd_epi32(c, d);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(ab, cd, 0x20),
+            _mm256_permute2x128_si256(ab, cd, 0x31),
+        )
+    }
+
+    /// The sum of the eight lanes of `v`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn reduce1(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// See [`super::block_dots`]; the caller checked the bounds and that `out` has `n ·
+    /// blocks` elements.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn block_dots(
+        q: &[i8],
+        keys: &[i8],
+        stride: usize,
+        n: usize,
+        out: &mut [i32],
+    ) {
+        let blocks = q.len() / BLOCK;
+        // The query widened once: two vectors per block.
+        let qw: Vec<(__m256i, __m256i)> = (0..blocks)
+            // SAFETY: block `b` of `q` is 32 readable bytes.
+            .map(|b| unsafe { widen32(q.as_ptr().add(b * BLOCK)) })
+            .collect();
+        // (key, block) pairs in order, 8 lanes of pair sums each (|x| ≤ 2 · 128², exact),
+        // reduced eight at a time.
+        let mut pending = [_mm256_setzero_si256(); 8];
+        let (mut held, mut at) = (0, 0);
+        for i in 0..n {
+            // SAFETY: key `i` lies inside `keys` (checked by the caller).
+            let key = unsafe { keys.as_ptr().add(i * stride) };
+            for (b, &(ql, qh)) in qw.iter().enumerate() {
+                // SAFETY: block `b` of the key is inside it.
+                let (lo, hi) = unsafe { widen32(key.add(b * BLOCK)) };
+                pending[held] =
+                    _mm256_add_epi32(_mm256_madd_epi16(lo, ql), _mm256_madd_epi16(hi, qh));
+                held += 1;
+                if held == 8 {
+                    let dst: &mut [i32; 8] = (&mut out[at..at + 8]).try_into().expect("8 lanes");
+                    // SAFETY: `dst` is 8 writable i32s; the store is unaligned.
+                    unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), reduce8(&pending)) };
+                    (held, at) = (0, at + 8);
+                }
+            }
+        }
+        for (o, &v) in out[at..].iter_mut().zip(&pending[..held]) {
+            *o = reduce1(v);
+        }
+    }
+
+    /// Adds `q_a · v_a + q_b · v_b` for one group of 16 values at `va`, `vb` to the
+    /// accumulators of that group (`lo` holds values 0–3 and 8–11, `hi` 4–7 and 12–15: the
+    /// lane order of `vpunpck*wd`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn pair16(
+        lo: &mut __m256i,
+        hi: &mut __m256i,
+        va: *const i8,
+        vb: *const i8,
+        qq: __m256i,
+    ) {
+        // SAFETY: the caller guarantees 16 readable bytes at `va` and at `vb`.
+        let (a, b) = unsafe {
+            (
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(va.cast())),
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(vb.cast())),
+            )
+        };
+        *lo = _mm256_add_epi32(*lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), qq));
+        *hi = _mm256_add_epi32(*hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), qq));
+    }
+
+    /// Groups of 16 values taken per pass over the rows (eight accumulators in registers).
+    const GROUPS: usize = 4;
+
+    /// See [`super::add_scaled_rows`]; the caller checked the bounds.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn add_scaled_rows(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
+        let n = acc.len();
+        let whole = n / 16 * 16;
+        let base = v.as_ptr();
+        let mut d0 = 0;
+        while d0 < whole {
+            let groups = ((whole - d0) / 16).min(GROUPS);
+            let mut lo = [_mm256_setzero_si256(); GROUPS];
+            let mut hi = [_mm256_setzero_si256(); GROUPS];
+            for pair in rows.chunks(2) {
+                // An odd last row pairs with itself times zero.
+                let (a, b) = (pair[0], *pair.get(1).unwrap_or(&(0, pair[0].1)));
+                // Each 32-bit lane holds (q_a, q_b) as i16s, the order the interleave uses.
+                let qq = _mm256_set1_epi32((a.0 as i16 as u16 as i32) | ((b.0 as i32) << 16));
+                for g in 0..groups {
+                    let at = d0 + g * 16;
+                    // SAFETY: rows lie inside `v` for `n` values (checked by the caller), and
+                    // `at + 16 <= n`.
+                    unsafe {
+                        pair16(
+                            &mut lo[g],
+                            &mut hi[g],
+                            base.add(a.1 + at),
+                            base.add(b.1 + at),
+                            qq,
+                        )
+                    };
+                }
+            }
+            for g in 0..groups {
+                let at = d0 + g * 16;
+                let ordered = [
+                    _mm256_permute2x128_si256(lo[g], hi[g], 0x20),
+                    _mm256_permute2x128_si256(lo[g], hi[g], 0x31),
+                ];
+                for (h, sums) in ordered.into_iter().enumerate() {
+                    let slot: &mut [i32; 8] = (&mut acc[at + h * 8..at + h * 8 + 8])
+                        .try_into()
+                        .expect("8 lanes");
+                    // SAFETY: `slot` is 8 readable and writable i32s; both accesses unaligned.
+                    unsafe {
+                        let old = _mm256_loadu_si256(slot.as_ptr().cast());
+                        _mm256_storeu_si256(slot.as_mut_ptr().cast(), _mm256_add_epi32(old, sums));
+                    }
+                }
+            }
+            d0 += groups * 16;
+        }
+        if whole < n {
+            for &(q, at) in rows {
+                super::add_scaled_scalar(&mut acc[whole..], q, &v[at + whole..at + n]);
+            }
+        }
     }
 }
 
@@ -146,6 +390,48 @@ mod tests {
             add_scaled_scalar(&mut slow, q, &v);
             prop_assert_eq!(fast, slow);
         }
+    }
+
+    proptest! {
+        #[test]
+        fn block_dots_are_their_definition(blocks in 1usize..9, n in 0usize..40, pad in 0usize..70,
+                                           seed in any::<u64>(), extreme in any::<bool>()) {
+            let stride = blocks * BLOCK + pad;
+            let q = bytes(blocks * BLOCK, seed, extreme);
+            let keys = bytes(n * stride + 3, seed ^ 1, extreme);
+            let mut fast = Vec::new();
+            block_dots(&q, &keys, stride, n, &mut fast);
+            let mut slow = vec![0; n * blocks];
+            block_dots_scalar(&q, &keys, stride, n, &mut slow);
+            prop_assert_eq!(fast, slow);
+        }
+
+        #[test]
+        fn add_scaled_rows_are_their_definition(width in 0usize..150, picks in prop::collection::vec((any::<i8>(), 0usize..60), 0..40),
+                                                seed in any::<u64>(), extreme in any::<bool>()) {
+            let v = bytes(60 + width, seed, extreme);
+            let mut fast: Vec<i32> = (0..width as i32).map(|i| i * 977 - 40_000).collect();
+            let mut slow = fast.clone();
+            add_scaled_rows(&mut fast, &v, &picks);
+            add_scaled_rows_scalar(&mut slow, &v, &picks);
+            prop_assert_eq!(fast, slow);
+        }
+    }
+
+    /// Deterministic int8s; with `extreme`, mostly ±127 and −128.
+    fn bytes(n: usize, seed: u64, extreme: bool) -> Vec<i8> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                match extreme {
+                    true => [-128i8, 127, -127, 0][(s % 4) as usize],
+                    false => s as i8,
+                }
+            })
+            .collect()
     }
 
     #[test]

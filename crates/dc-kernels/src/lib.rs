@@ -14,6 +14,7 @@ pub mod conformance;
 pub mod elementwise;
 pub mod error;
 pub mod exact;
+pub mod exp;
 pub mod freivalds;
 pub mod gemm;
 pub mod golden;

@@ -91,8 +91,9 @@ pub fn decode_row(bytes: &[u8], cols: usize) -> Result<Vec<Exact>, String> {
 
 /// A revealed row decoded for a check: each value modulo Freivalds' prime
 /// ([`crate::freivalds::exact_mod`]) and rounded to f32 as the stage's epilogue rounded it
-/// ([`rounded`]). The same numbers as [`decode_row`] then those two maps, in one pass over the
-/// bytes and without building the exact values (property-tested against that).
+/// ([`rounded`]), each only when asked for ([`Decode`]; empty otherwise). The same numbers as
+/// [`decode_row`] then those two maps, in one pass over the bytes and without building the
+/// exact values (property-tested against that).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CheckedRow {
     /// Each value modulo p.
@@ -101,24 +102,39 @@ pub struct CheckedRow {
     pub rounded: Vec<f32>,
 }
 
-/// Decodes a row of `cols` canonical encodings for a check (see [`CheckedRow`]); refuses what
-/// [`decode_row`] refuses, and a value that overflows f32 (no honest epilogue produces one).
-pub fn decode_for_check(bytes: &[u8], cols: usize) -> Result<CheckedRow, String> {
+/// What [`decode_for_check`] computes: a tested product needs its residues (Freivalds), a
+/// product whose output the check computes on needs its rounded values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decode {
+    /// The values modulo p.
+    pub residues: bool,
+    /// The values rounded to f32.
+    pub rounded: bool,
+}
+
+impl Decode {
+    /// Both.
+    pub const BOTH: Decode = Decode {
+        residues: true,
+        rounded: true,
+    };
+}
+
+/// Decodes a row of `cols` canonical encodings for a check (see [`CheckedRow`]), computing
+/// what `want` asks for; refuses what [`decode_row`] refuses, and a value that overflows f32
+/// (no honest epilogue produces one) whatever is asked for.
+pub fn decode_for_check(bytes: &[u8], cols: usize, want: Decode) -> Result<CheckedRow, String> {
     use crate::freivalds::{exact_mod, small_mod};
     if bytes.len() == cols * 12 {
         // Every value small (12 bytes) is what a product nearly always gives: one tight pass,
         // leaving anything unusual (a wide value, an extreme exponent, an overflow) to the
         // general path below, which gives the same numbers and the errors.
         let mut row = CheckedRow {
-            residues: vec![0; cols],
-            rounded: vec![0.0; cols],
+            residues: Vec::with_capacity(if want.residues { cols } else { 0 }),
+            rounded: Vec::with_capacity(if want.rounded { cols } else { 0 }),
         };
         let mut usual = true;
-        for ((rec, r), f) in bytes
-            .chunks_exact(12)
-            .zip(&mut row.residues)
-            .zip(&mut row.rounded)
-        {
+        for rec in bytes.chunks_exact(12) {
             let (m, e) = rec.split_at(8);
             let mant = i64::from_le_bytes(m.try_into().expect("8 bytes"));
             let exp = i32::from_le_bytes(e.try_into().expect("4 bytes"));
@@ -128,11 +144,21 @@ pub fn decode_for_check(bytes: &[u8], cols: usize) -> Result<CheckedRow, String>
                 usual = false;
                 break;
             }
-            *r = small_mod(mant, exp);
-            *f = round_i64_fast(mant, exp);
-            if !f.is_finite() {
-                usual = false;
-                break;
+            if want.residues {
+                row.residues.push(small_mod(mant, exp));
+            }
+            // Below 2^127 a value cannot round past f32::MAX, so unless its rounding is
+            // wanted it need not be computed.
+            let top = exp + (64 - mant.unsigned_abs().leading_zeros() as i32);
+            if want.rounded || top > 127 {
+                let f = round_i64_fast(mant, exp);
+                if !f.is_finite() {
+                    usual = false;
+                    break;
+                }
+                if want.rounded {
+                    row.rounded.push(f);
+                }
             }
         }
         if usual {
@@ -140,13 +166,20 @@ pub fn decode_for_check(bytes: &[u8], cols: usize) -> Result<CheckedRow, String>
         }
     }
     let values = decode_row(bytes, cols)?;
+    let rounded = values
+        .iter()
+        .enumerate()
+        .map(|(c, v)| rounded(v).ok_or_else(|| format!("value {c} overflows f32")))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(CheckedRow {
-        residues: values.iter().map(exact_mod).collect(),
-        rounded: values
-            .iter()
-            .enumerate()
-            .map(|(c, v)| rounded(v).ok_or_else(|| format!("value {c} overflows f32")))
-            .collect::<Result<_, _>>()?,
+        residues: match want.residues {
+            true => values.iter().map(exact_mod).collect(),
+            false => Vec::new(),
+        },
+        rounded: match want.rounded {
+            true => rounded,
+            false => Vec::new(),
+        },
     })
 }
 
@@ -274,11 +307,21 @@ mod tests {
                     bytes.push(0);
                 }
             }
+            let whole = checked_by_definition(&bytes, cols);
             assert_eq!(
-                decode_for_check(&bytes, cols),
-                checked_by_definition(&bytes, cols),
+                decode_for_check(&bytes, cols, Decode::BOTH),
+                whole,
                 "case {i}"
             );
+            // Either half alone: the same numbers, the same refusals.
+            for (residues, rounded) in [(true, false), (false, true), (false, false)] {
+                let part = decode_for_check(&bytes, cols, Decode { residues, rounded });
+                let want = whole.clone().map(|w| CheckedRow {
+                    residues: if residues { w.residues } else { Vec::new() },
+                    rounded: if rounded { w.rounded } else { Vec::new() },
+                });
+                assert_eq!(part, want, "case {i} {residues} {rounded}");
+            }
         }
     }
 

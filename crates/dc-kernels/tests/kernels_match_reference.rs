@@ -387,4 +387,26 @@ proptest! {
             );
         }
     }
+
+    /// A wide decode row commits on the engine's threads as on one, its kept leaf included.
+    #[test]
+    fn a_wide_row_commits_alike_on_any_threads(
+        n in 2700usize..6000,
+        k in 1usize..80,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let x = matrix(&mut rng, 1, k, Style::Normal);
+        let w = matrix(&mut rng, n, k, Style::Normal);
+        let qx = QuantizedRows::quantize(&x, 1, k, "x").unwrap();
+        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
+        let mut y = vec![0f32; n];
+        let one = Gemm::new(Kernel::best(), 1).unwrap();
+        let acc = one.matmul_exact(&qx, &qw, &mut y).unwrap();
+        let want = one.commit_leaves_from(&acc, 7, 7);
+        for threads in [2, 3] {
+            let g = Gemm::new(Kernel::best(), threads).unwrap();
+            prop_assert_eq!(&g.commit_leaves_from(&acc, 7, 7), &want, "{} threads", threads);
+        }
+    }
 }

@@ -9,12 +9,12 @@
 //!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
 //!   Keys outside the causal or sliding window are exact zeros.
 
-use dc_kernels::commit::{exact_row_leaf, gemm_commitment, merkle_root};
+use dc_kernels::commit::{encode_exact, encode_sum, gemm_commitment, merkle_root};
 use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
-use dc_kernels::reveal::{leaf_of_encoding, values_encoding};
+use dc_kernels::reveal::leaf_of_encoding;
 use dc_kernels::{Commitment, Domain};
 use rayon::prelude::*;
 
@@ -369,12 +369,45 @@ pub struct AttentionCommitments {
     pub context: dc_kernels::Commitment,
 }
 
-/// Exact values of one (position, head), kept only when committing. `ExactRow`s free their
-/// buffers without visiting every value (they are nearly always all small).
+/// Exact values of one (position, head), kept only when committing, in their canonical
+/// encoding: what the rows' leaves hash.
 #[derive(Default)]
 struct HeadExact {
-    scores: dc_kernels::exact::ExactRow,
-    context: dc_kernels::exact::ExactRow,
+    scores: Encoded,
+    context: Encoded,
+}
+
+/// Exact values in their canonical encoding, and how many.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Encoded {
+    bytes: Vec<u8>,
+    len: usize,
+}
+
+impl Encoded {
+    /// Room for `n` more values (12 bytes each, unless wide).
+    fn reserve_exact(&mut self, n: usize) {
+        self.bytes.reserve_exact(n * 12);
+    }
+
+    /// Appends a value.
+    fn push(&mut self, value: &Exact) {
+        encode_exact(value, &mut self.bytes);
+        self.len += 1;
+    }
+
+    /// Appends `sum · 2^exp`.
+    #[inline]
+    fn push_sum(&mut self, sum: i64, exp: i32) {
+        encode_sum(sum, exp, &mut self.bytes);
+        self.len += 1;
+    }
+
+    /// Appends another run of values.
+    fn extend(&mut self, other: &Encoded) {
+        self.bytes.extend_from_slice(&other.bytes);
+        self.len += other.len;
+    }
 }
 
 /// Causal attention of `rows` new query rows at absolute positions `start..start + rows`
@@ -477,9 +510,18 @@ pub fn attend_committed_with(
             AttentionKernel::Reference => {
                 reference::head_attention(cache, qh, g, pos, window, scale, o, ex.as_mut())
             }
-            AttentionKernel::Fast => {
-                head_attention(cache, qh, g, pos, window, scale, o, ex.as_mut(), scratch)
-            }
+            AttentionKernel::Fast => head_attention(
+                cache,
+                qh,
+                g,
+                pos,
+                window,
+                scale,
+                o,
+                ex.as_mut(),
+                scratch,
+                false,
+            ),
         }?;
         Ok(ex)
     };
@@ -521,19 +563,15 @@ pub fn attend_committed_with(
         if start + t < from {
             continue;
         }
-        let mut s = Vec::new();
-        let mut c = Vec::new();
+        let (mut s, mut c) = (Encoded::default(), Encoded::default());
         for e in row.iter().flatten() {
-            s.extend_from_slice(&e.scores);
-            c.extend_from_slice(&e.context);
+            s.extend(&e.scores);
+            c.extend(&e.context);
         }
-        sl.push(exact_row_leaf(start + t, &s));
+        sl.push(leaf_of_encoding(start + t, s.len, &s.bytes));
+        cl.push(leaf_of_encoding(start + t, c.len, &c.bytes));
         if keep_rows {
-            let encoding = values_encoding(&c);
-            cl.push(leaf_of_encoding(start + t, c.len(), &encoding));
-            context_rows.push(encoding);
-        } else {
-            cl.push(exact_row_leaf(start + t, &c));
+            context_rows.push(c.bytes);
         }
     }
     let commitments = AttentionCommitments {
@@ -548,6 +586,55 @@ pub fn attend_committed_with(
     Ok(Some(commitments))
 }
 
+/// The leaf of the committed scores row (`Q · Kᵀ`, every head's exact scores) of one query
+/// row `q` (`heads · head_dim`, RoPE applied) at absolute position `pos`, which `cache` must
+/// hold: what a check of the scores alone recomputes, without the softmax and the context.
+/// The same leaf as [`attend_committed`] commits for that row.
+pub fn score_row_leaf(
+    shape: AttentionShape,
+    cache: &LayerCache,
+    q: &[f32],
+    pos: usize,
+    layer: usize,
+) -> Result<Commitment> {
+    let (hd, heads) = (shape.head_dim, shape.heads);
+    if q.len() != heads * hd || pos >= cache.len {
+        return Err(ModelError::Input(format!(
+            "layer {layer}: a scores row of {} values at position {pos} for a cache of {}",
+            q.len(),
+            cache.len
+        )));
+    }
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let group = heads / shape.kv_heads;
+    let mut scratch = HeadScratch::default();
+    let mut row = Encoded::default();
+    let mut unused = vec![0f32; hd];
+    for h in 0..heads {
+        let mut ex = HeadExact::default();
+        let qh = &q[h * hd..(h + 1) * hd];
+        head_attention(
+            cache,
+            qh,
+            h / group,
+            pos,
+            shape.window,
+            scale,
+            &mut unused,
+            Some(&mut ex),
+            &mut scratch,
+            true,
+        )
+        .map_err(|detail| ModelError::NonFinite {
+            stage: format!("attention of layer {layer}"),
+            layer: layer.to_string(),
+            detail,
+        })?;
+        row.extend(&ex.scores);
+    }
+    Ok(leaf_of_encoding(pos, row.len, &row.bytes))
+}
+
 /// Widest head the fast kernel takes, in blocks (head_dim 256); wider heads use the reference.
 const FAST_MAX_BLOCKS: usize = 8;
 
@@ -556,15 +643,30 @@ const FAST_MAX_BLOCKS: usize = 8;
 struct HeadScratch {
     qq: Vec<i8>,
     qs: Vec<BlockScale>,
+    dots: Vec<i32>,
     scores: Vec<f32>,
     exps: Vec<f64>,
     acc: Vec<i32>,
-    ctx_terms: Vec<(i64, i32)>,
+    /// A block's keys with a nonzero quantised probability, as (probability, value row).
+    picks: Vec<(i8, usize)>,
+    /// Per block of keys with any probability: its scale, and where its outputs' sums start
+    /// in `ctx_acc` (`hd` per block).
+    ctx_scales: Vec<BlockScale>,
+    ctx_acc: Vec<i32>,
+    context: ContextScratch,
 }
+
+/// Widest exponent span of a key's block terms that the scores' f64 path takes: each term
+/// `D · m_q · m_k` is below 2^35 (`|D| <= 32 · 128²`, `m <= 255`), so with at most
+/// [`FAST_MAX_BLOCKS`] = 2^3 terms on a grid of the smallest exponent, every partial sum is
+/// an integer times that power of two below 2^(35 + 15 + 3) = 2^53: exact in f64 in any order.
+const SCORE_F64_SPAN: i32 = 15;
 
 /// One query head at absolute position `pos`: the same values as
 /// [`reference::head_attention`] (property-tested bit for bit), without its per-head
-/// allocations, with each `exp` taken once and the inner loops shaped for vector units.
+/// allocations, with each `exp` taken once, the block dot products and value rows in vector
+/// loops ([`int8::block_dots`], [`int8::add_scaled_rows`]), a key's score summed in f64 where
+/// that is exact, and each output's block terms summed once in an i64 where they fit.
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     cache: &LayerCache,
@@ -576,6 +678,7 @@ fn head_attention(
     out: &mut [f32],
     mut exact: Option<&mut HeadExact>,
     scratch: &mut HeadScratch,
+    scores_only: bool,
 ) -> Result<(), String> {
     let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
     if hb > FAST_MAX_BLOCKS {
@@ -584,10 +687,14 @@ fn head_attention(
     let HeadScratch {
         qq,
         qs,
+        dots,
         scores,
         exps,
         acc,
-        ctx_terms,
+        picks,
+        ctx_scales,
+        ctx_acc,
+        context,
     } = scratch;
     qq.clear();
     qq.resize(hb * BLOCK, 0);
@@ -606,48 +713,38 @@ fn head_attention(
         e.scores.reserve_exact(n);
         e.context.reserve_exact(hd);
     }
-    // Scores: per key, hb block products, summed exactly, then the f32 scale.
-    let want_exact = exact.is_some();
+    // Scores: every key's block products at once, then per key the exact sum of its block
+    // terms, rounded once to f32, then the f32 scale.
     let key_bytes = hb * BLOCK;
-    let keys = &cache.k_q[(lo * kvh + g) * key_bytes..];
-    let key_scales = &cache.k_s[(lo * kvh + g) * hb..];
-    let stride = kvh * key_bytes;
-    scores.clear();
-    for i in 0..n {
-        let kq = &keys[i * stride..i * stride + key_bytes];
-        let ks = &key_scales[i * kvh * hb..i * kvh * hb + hb];
-        let mut terms = [(0i64, 0i32); FAST_MAX_BLOCKS];
-        for (b, (t, (qb, kb))) in terms
-            .iter_mut()
-            .zip(qq.chunks_exact(BLOCK).zip(kq.chunks_exact(BLOCK)))
-            .enumerate()
-        {
-            let d = int8::block_dot(
-                qb.try_into().expect("BLOCK long"),
-                kb.try_into().expect("BLOCK long"),
-            );
-            let (sq, sk) = (qs[b], ks[b]);
-            *t = (
-                d as i64 * (sq.m as i64 * sk.m as i64),
-                sq.e as i32 + sk.e as i32,
-            );
-        }
-        let (dot, ex) = sum_terms(&terms[..hb], want_exact)
-            .ok_or_else(|| format!("score of key {} overflows f32 at position {pos}", lo + i))?;
-        if let (Some(e), Some(v)) = (exact.as_deref_mut(), ex) {
-            e.scores.push(v);
-        }
-        scores.push(dot * scale);
+    int8::block_dots(
+        qq,
+        &cache.k_q[(lo * kvh + g) * key_bytes..],
+        kvh * key_bytes,
+        n,
+        dots,
+    );
+    let keys = KeyScales {
+        scales: &cache.k_s[(lo * kvh + g) * hb..],
+        stride: kvh * hb,
+        first: lo,
+    };
+    match hb {
+        // The common head widths (32, 64, 96, 128) with the block loop unrolled.
+        1 => scores_of::<1>(qs, dots, keys, scale, pos, scores, exact.as_deref_mut()),
+        2 => scores_of::<2>(qs, dots, keys, scale, pos, scores, exact.as_deref_mut()),
+        3 => scores_of::<3>(qs, dots, keys, scale, pos, scores, exact.as_deref_mut()),
+        4 => scores_of::<4>(qs, dots, keys, scale, pos, scores, exact.as_deref_mut()),
+        _ => scores_any(qs, dots, keys, scale, pos, scores, exact.as_deref_mut()),
+    }?;
+    if scores_only {
+        return Ok(());
     }
     softmax_with(scores, exps);
-    // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions.
+    // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions; each
+    // block's value rows times its probabilities summed into its own i32 accumulators.
     let (first_block, last_block) = (lo / BLOCK, pos / BLOCK);
-    let blocks = last_block + 1 - first_block;
-    acc.clear();
-    acc.resize(hd, 0);
-    ctx_terms.clear();
-    ctx_terms.resize(hd * blocks, (0, 0));
-    let mut used = 0;
+    ctx_scales.clear();
+    ctx_acc.clear();
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
         let mut pv = [0f64; BLOCK];
@@ -662,22 +759,241 @@ fn head_attention(
         let s = scale_for_amax_f64(amax);
         let inv = pow2(-(s.e as i32));
         let m = s.m as f64;
-        acc.fill(0);
+        picks.clear();
         for (j, &p) in (j0..=j1).zip(&pv) {
             // As in the reference: exact scaling, one correctly rounded division.
             let qp = round_half_even((p * inv) / m).min(QMAX as f64) as i8;
-            if qp == 0 {
-                continue;
+            if qp != 0 {
+                picks.push((qp, (j * kvh + g) * hd));
             }
-            let vrow = &cache.v_q[(j * kvh + g) * hd..(j * kvh + g + 1) * hd];
-            int8::add_scaled(acc, qp, vrow);
         }
-        for (t, &a) in ctx_terms.chunks_exact_mut(blocks).zip(acc.iter()) {
-            t[used] = (a as i64 * s.m as i64, s.e as i32);
-        }
-        used += 1;
+        acc.clear();
+        acc.resize(hd, 0);
+        int8::add_scaled_rows(acc, &cache.v_q, picks);
+        ctx_scales.push(s);
+        ctx_acc.extend_from_slice(acc);
     }
-    context_outputs(out, ctx_terms, blocks, used, pos, exact)
+    context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos, exact)
+}
+
+/// One head's key scales in the cache: key `i` (absolute position `first + i`) has its
+/// blocks' scales at `scales[i · stride..]`.
+#[derive(Clone, Copy)]
+struct KeyScales<'a> {
+    scales: &'a [BlockScale],
+    stride: usize,
+    first: usize,
+}
+
+/// The score of one key from its `HB` block dot products `d` and the query's and key's block
+/// scales: the exact sum of the terms `d_b · m_q · m_k · 2^(e_q + e_k)` rounded once to f32,
+/// its exact value appended to `exact` when given. `None` when the score is outside the f32
+/// range.
+#[inline(always)]
+fn key_score<const HB: usize>(
+    qs: &[BlockScale; HB],
+    ks: &[BlockScale],
+    d: &[i32],
+    exact: Option<&mut Encoded>,
+) -> Option<f32> {
+    let (ks, d): (&[BlockScale; HB], &[i32; HB]) = (ks.try_into().ok()?, d.try_into().ok()?);
+    let mut terms = [(0i64, 0i32); HB];
+    for b in 0..HB {
+        terms[b] = (
+            d[b] as i64 * (qs[b].m as i64 * ks[b].m as i64),
+            qs[b].e as i32 + ks[b].e as i32,
+        );
+    }
+    let emin = terms.iter().map(|t| t.1).min().unwrap_or(0);
+    let emax = terms.iter().map(|t| t.1).max().unwrap_or(0);
+    if emax - emin > SCORE_F64_SPAN {
+        return sum_terms_into(&terms, exact);
+    }
+    // Exact in f64 (see SCORE_F64_SPAN); the conversion is the one rounding.
+    let sum: f64 = terms.iter().map(|&(t, e)| t as f64 * pow2(e)).sum();
+    let dot = sum as f32;
+    if !dot.is_finite() {
+        return None;
+    }
+    if let Some(x) = exact {
+        x.push_sum(terms.iter().map(|&(t, e)| t << (e - emin)).sum(), emin);
+    }
+    Some(dot)
+}
+
+/// [`sum_terms`], its exact value appended to `exact` when given.
+fn sum_terms_into(terms: &[(i64, i32)], exact: Option<&mut Encoded>) -> Option<f32> {
+    let (dot, ex) = sum_terms(terms, exact.is_some())?;
+    if let (Some(x), Some(v)) = (exact, ex) {
+        x.push(&v);
+    }
+    Some(dot)
+}
+
+/// Every key's scaled score into `scores` (see [`key_score`]) for `HB` blocks per head.
+fn scores_of<const HB: usize>(
+    qs: &[BlockScale],
+    dots: &[i32],
+    keys: KeyScales,
+    scale: f32,
+    pos: usize,
+    scores: &mut Vec<f32>,
+    exact: Option<&mut HeadExact>,
+) -> Result<(), String> {
+    let qs: &[BlockScale; HB] = qs.try_into().expect("HB query blocks");
+    scores_with(dots, HB, keys, scale, pos, scores, exact, |ks, d, x| {
+        key_score(qs, ks, d, x)
+    })
+}
+
+/// [`scores_of`] for head widths without their own instance: the general exact sum.
+fn scores_any(
+    qs: &[BlockScale],
+    dots: &[i32],
+    keys: KeyScales,
+    scale: f32,
+    pos: usize,
+    scores: &mut Vec<f32>,
+    exact: Option<&mut HeadExact>,
+) -> Result<(), String> {
+    let hb = qs.len();
+    scores_with(dots, hb, keys, scale, pos, scores, exact, |ks, d, x| {
+        let mut terms = [(0i64, 0i32); FAST_MAX_BLOCKS];
+        for (b, t) in terms[..hb].iter_mut().enumerate() {
+            *t = (
+                d[b] as i64 * (qs[b].m as i64 * ks[b].m as i64),
+                qs[b].e as i32 + ks[b].e as i32,
+            );
+        }
+        sum_terms_into(&terms[..hb], x)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn scores_with(
+    dots: &[i32],
+    hb: usize,
+    keys: KeyScales,
+    scale: f32,
+    pos: usize,
+    scores: &mut Vec<f32>,
+    mut exact: Option<&mut HeadExact>,
+    score: impl Fn(&[BlockScale], &[i32], Option<&mut Encoded>) -> Option<f32>,
+) -> Result<(), String> {
+    scores.clear();
+    for (i, d) in dots.chunks_exact(hb).enumerate() {
+        let ks = &keys.scales[i * keys.stride..i * keys.stride + hb];
+        let dot = score(ks, d, exact.as_deref_mut().map(|e| &mut e.scores)).ok_or_else(|| {
+            format!(
+                "score of key {} overflows f32 at position {pos}",
+                keys.first + i
+            )
+        })?;
+        scores.push(dot * scale);
+    }
+    Ok(())
+}
+
+/// Widest span of block exponents summed in one i64: a block term `acc · m` is below 2^27
+/// (`|acc| <= 32 · 127²`, `m <= 255`); shifted onto the grid of the group's smallest exponent
+/// by at most 28 bits and summed over at most [`GROUP_BLOCKS`] = 2^7 blocks, every partial sum
+/// stays below 2^62.
+const CONTEXT_I64_SPAN: i32 = 28;
+/// Most blocks summed in one i64 (see [`CONTEXT_I64_SPAN`]).
+const GROUP_BLOCKS: usize = 128;
+
+/// Each output of one head's context from its blocks' scales and i32 sums (`hd` per block,
+/// block-major): the same exact value and rounding as [`context_outputs`]. The blocks are
+/// grouped by exponent (sorted, each group spanning at most [`CONTEXT_I64_SPAN`] bits): every
+/// output of a block shares its exponent, so a group's terms are summed in one i64 per output
+/// with shifts found once, and only the groups' sums (few: probabilities far below the
+/// largest form their own groups) are combined exactly per output.
+fn context_outputs_by_block(
+    out: &mut [f32],
+    scales: &[BlockScale],
+    sums: &[i32],
+    scratch: &mut ContextScratch,
+    pos: usize,
+    mut exact: Option<&mut HeadExact>,
+) -> Result<(), String> {
+    let hd = out.len();
+    let ContextScratch {
+        order,
+        groups,
+        totals,
+        terms,
+    } = scratch;
+    order.clear();
+    order.extend(0..scales.len());
+    order.sort_unstable_by_key(|&b| scales[b].e);
+    groups.clear();
+    for &b in order.iter() {
+        let e = scales[b].e as i32;
+        match groups.last_mut() {
+            Some((emin, count)) if e - *emin <= CONTEXT_I64_SPAN && *count < GROUP_BLOCKS => {
+                *count += 1
+            }
+            _ => groups.push((e, 1)),
+        }
+    }
+    // Per group, one i64 per output.
+    totals.clear();
+    totals.resize(groups.len() * hd, 0);
+    let mut at = 0;
+    for (g, &(emin, count)) in groups.iter().enumerate() {
+        let total = &mut totals[g * hd..(g + 1) * hd];
+        for &b in &order[at..at + count] {
+            let (m, shift) = (scales[b].m as i64, scales[b].e as i32 - emin);
+            for (t, &a) in total.iter_mut().zip(&sums[b * hd..(b + 1) * hd]) {
+                *t += (a as i64 * m) << shift;
+            }
+        }
+        at += count;
+    }
+    if let [(emin, _)] = groups[..] {
+        // One group (the usual case): its sums are the exact values.
+        for (o, &t) in out.iter_mut().zip(totals.iter()) {
+            let v = round_i64_fast(t, emin);
+            if !v.is_finite() {
+                return Err(format!("context overflows f32 at position {pos}"));
+            }
+            *o = v;
+            if let Some(x) = exact.as_deref_mut() {
+                x.context.push_sum(t, emin);
+            }
+        }
+        return Ok(());
+    }
+    for (d, o) in out.iter_mut().enumerate() {
+        terms.clear();
+        terms.extend(
+            groups
+                .iter()
+                .enumerate()
+                .map(|(g, &(emin, _))| (totals[g * hd + d], emin)),
+        );
+        let e = exact_sum(terms);
+        *o = e
+            .to_f32()
+            .ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
+        if let Some(x) = exact.as_deref_mut() {
+            x.context.push(&e);
+        }
+    }
+    Ok(())
+}
+
+/// Buffers of [`context_outputs_by_block`], reused per worker.
+#[derive(Default)]
+struct ContextScratch {
+    /// Block indices by exponent.
+    order: Vec<usize>,
+    /// Per group: its smallest exponent and its number of blocks.
+    groups: Vec<(i32, usize)>,
+    /// Per group, one exact sum per output.
+    totals: Vec<i64>,
+    terms: Vec<(i64, i32)>,
 }
 
 /// Each output of one head's context from its block terms (`blocks` places per output, the
@@ -696,7 +1012,7 @@ fn context_outputs(
             .to_f32()
             .ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
         if let Some(x) = exact.as_deref_mut() {
-            x.context.push(e);
+            x.context.push(&e);
         }
     }
     Ok(())
@@ -724,6 +1040,88 @@ fn context_sum(terms: &[(i64, i32)]) -> Exact {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Block scales and sums for [`context_outputs_by_block`]. Modes: 0, exponents in steps
+    /// around the grouping limit; 1, anywhere; 2, a crowd: one block, then every other one
+    /// exactly the limit above it (the most terms one i64 takes at the widest shift).
+    /// `extreme` puts every sum at the bound, all of one sign in the crowd.
+    fn blocks(
+        n: usize,
+        hd: usize,
+        seed: u64,
+        mode: u8,
+        extreme: bool,
+    ) -> (Vec<BlockScale>, Vec<i32>) {
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let top = 32 * 127 * 127;
+        let span = CONTEXT_I64_SPAN as i16;
+        let scales = (0..n)
+            .map(|b| {
+                let r = next();
+                let e = match mode {
+                    0 => [0, 1, span - 1, span, span + 1, 36, 37][(r % 7) as usize] - 20,
+                    1 => (r % 400) as i16 - 200,
+                    _ => (b > 0) as i16 * span - 20,
+                };
+                let m = match extreme {
+                    true => 255,
+                    false => 128 + (r >> 8) as u8 % 128,
+                };
+                BlockScale { m, e }
+            })
+            .collect();
+        let sums = (0..n * hd)
+            .map(|_| {
+                let r = next();
+                match (extreme, mode) {
+                    (true, 2) => top,
+                    (true, _) => [top, -top, top - 1][(r % 3) as usize],
+                    (false, _) => (r % (2 * top as u64 + 1)) as i32 - top,
+                }
+            })
+            .collect();
+        (scales, sums)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn grouped_context_sums_are_the_reference(n in 0usize..300, hd in 1usize..24,
+                                                  seed in proptest::prelude::any::<u64>(),
+                                                  mode in 0u8..3,
+                                                  extreme in proptest::prelude::any::<bool>(),
+                                                  commit in proptest::prelude::any::<bool>()) {
+            let (scales, sums) = blocks(n, hd, seed, mode, extreme);
+            let mut fast = vec![0f32; hd];
+            let mut fast_exact = commit.then(HeadExact::default);
+            let done = context_outputs_by_block(&mut fast, &scales, &sums,
+                &mut ContextScratch::default(), 7, fast_exact.as_mut());
+            // The reference's output-major terms.
+            let mut terms = vec![(0i64, 0i32); hd * n.max(1)];
+            for (b, s) in scales.iter().enumerate() {
+                for d in 0..hd {
+                    terms[d * n.max(1) + b] = (sums[b * hd + d] as i64 * s.m as i64, s.e as i32);
+                }
+            }
+            let mut slow = vec![0f32; hd];
+            let mut slow_exact = commit.then(HeadExact::default);
+            let want = context_outputs(&mut slow, &terms, n.max(1), n, 7, slow_exact.as_mut());
+            proptest::prop_assert_eq!(done.is_ok(), want.is_ok());
+            if done.is_ok() {
+                proptest::prop_assert_eq!(
+                    fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                let values = |e: Option<HeadExact>| e.map(|e| e.context);
+                proptest::prop_assert_eq!(values(fast_exact), values(slow_exact));
+            }
+        }
+    }
 
     #[test]
     fn v_exponent_puts_amax_in_64_to_128() {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu, RopeTable};
+use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
 use dc_kernels::{Commitment, Domain, Gemm, QuantizedRows};
 
 use crate::attention::{
@@ -200,6 +200,11 @@ pub(crate) trait Products {
     /// The attention context (`rows × q_width`) of rows at `start..` from their projections
     /// (RoPE applied), the keys and values going into the cache first.
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>>;
+    /// Whether the rest of the block is still wanted (a check stops once it has tested every
+    /// part it drew; a stage never stops).
+    fn more(&self) -> bool {
+        true
+    }
 }
 
 /// A block's parameters outside its products: the norms and the MLP's kind.
@@ -247,10 +252,10 @@ impl Products for Compute<'_> {
             ModelError::Input(format!("layer {} has no {point:?} product", self.index))
         })?;
         let keep = self.keep.is_some();
-        let (c, acc) = lin.forward_kept(self.gemm, x, out, self.first, keep)?;
+        let (c, kept) = lin.forward_kept(self.gemm, x, out, self.first, keep)?;
         self.record(point, c);
-        if let (Some(k), Some(acc)) = (self.keep.as_deref_mut(), acc) {
-            k.keep(point, Kept::Gemm(acc));
+        if let (Some(k), Some(kept)) = (self.keep.as_deref_mut(), kept) {
+            k.keep(point, Kept::Gemm(kept));
         }
         Ok(())
     }
@@ -594,7 +599,10 @@ impl Model {
                 trace: trace.as_deref_mut(),
                 keep: kept.as_mut(),
             };
-            x = self.block(&Glue::of(layer), i, x, &mut products)?;
+            // A stage's products never stop a block early.
+            x = self
+                .block(&Glue::of(layer), i, x, &mut products)?
+                .ok_or_else(|| ModelError::Input(format!("layer {i} stopped early")))?;
             if let (Some(k), Some(l)) = (keep.as_deref_mut(), kept) {
                 k.layers.push(l);
             }
@@ -623,14 +631,15 @@ impl Model {
     }
 
     /// One transformer block: the glue (norms, quantisation, activations, residuals) around
-    /// products that `products` supplies.
+    /// products that `products` supplies. `None` when `products` stopped it early (see
+    /// [`Products::more`]).
     pub(crate) fn block(
         &self,
         glue: &Glue,
         i: usize,
         x: Activations,
         products: &mut dyn Products,
-    ) -> Result<Activations> {
+    ) -> Result<Option<Activations>> {
         let cfg = &self.config;
         let (rows, start) = (x.rows(), x.start);
         let name = |what: &str| format!("layer {i} {what}");
@@ -641,6 +650,9 @@ impl Model {
         products.linear(Point::Q, &qx, &mut q)?;
         products.linear(Point::K, &qx, &mut k)?;
         products.linear(Point::V, &qx, &mut v)?;
+        if !products.more() {
+            return Ok(None);
+        }
         if let Some(rope) = &self.rope {
             let hd = cfg.head_dim;
             for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
@@ -655,9 +667,15 @@ impl Model {
             }
         }
         let ctx = products.attention(&q, &k, &v, start)?;
+        if !products.more() {
+            return Ok(None);
+        }
         let qc = QuantizedRows::quantize(&ctx, rows, cfg.q_width(), &name("attention context"))?;
         let mut o = Vec::new();
         products.linear(Point::O, &qc, &mut o)?;
+        if !products.more() {
+            return Ok(None);
+        }
         let mut x = x;
         for (a, b) in x.data.iter_mut().zip(&o) {
             *a += b;
@@ -669,6 +687,9 @@ impl Model {
         let mut a = Vec::new();
         if glue.gelu {
             products.linear(Point::Fc, &qh, &mut a)?;
+            if !products.more() {
+                return Ok(None);
+            }
             for v in a.iter_mut() {
                 *v = gelu_tanh(*v);
             }
@@ -676,16 +697,17 @@ impl Model {
             let mut u = Vec::new();
             products.linear(Point::Gate, &qh, &mut a)?;
             products.linear(Point::Up, &qh, &mut u)?;
-            for (a, b) in a.iter_mut().zip(&u) {
-                *a = silu(*a) * b;
+            if !products.more() {
+                return Ok(None);
             }
+            silu_mul(&mut a, &u);
         }
         let qa = QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
         products.linear(Point::Down, &qa, &mut y)?;
         for (a, b) in x.data.iter_mut().zip(&y) {
             *a += b;
         }
-        Ok(x)
+        Ok(Some(x))
     }
 
     /// Layer `i`, if loaded.

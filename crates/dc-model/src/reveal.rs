@@ -15,21 +15,21 @@ use std::sync::Arc;
 
 use dc_kernels::commit::{merkle_proof, merkle_root, row_leaf_at};
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_for_check, leaf_of_encoding, row_encoding, CheckedRow, Opening};
-use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
+use dc_kernels::reveal::{decode_for_check, leaf_of_encoding, row_encoding, Decode, Opening};
+use dc_kernels::{Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
 use crate::attention::{
-    attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
+    attend_committed, cache_commitment, score_row_leaf, AttentionLeaves, AttentionShape, LayerCache,
 };
 use crate::error::{ModelError, Result};
 use crate::model::{Activations, Glue, KvCache, Model, Products};
-use crate::weights::{add_bias, Mlp, Norm};
+use crate::weights::{add_bias, KeptProduct, Mlp, Norm};
 
 /// A product a stage kept.
 pub(crate) enum Kept {
-    /// A weight product's exact accumulators.
-    Gemm(Accumulators),
+    /// A weight product's exact accumulators and its rows' leaves.
+    Gemm(KeptProduct),
     /// Only the rows' Merkle leaves (the attention products: a checker recomputes their rows,
     /// so a reveal carries just the root and the path), and for the context each row's
     /// encoding (`rows`, empty for the scores), revealed when a check takes the context as the
@@ -44,7 +44,7 @@ pub(crate) enum Kept {
 impl Kept {
     fn bytes(&self) -> usize {
         match self {
-            Kept::Gemm(a) => a.slots.len() * 16 + a.wide.len() * 64,
+            Kept::Gemm(k) => k.acc.slots.len() * 16 + k.acc.wide.len() * 64 + k.leaves.len() * 32,
             Kept::Leaves { leaves, rows, .. } => {
                 leaves.len() * 32 + rows.iter().map(Vec::len).sum::<usize>()
             }
@@ -61,18 +61,22 @@ impl Kept {
         values: bool,
     ) -> Option<RevealedRow> {
         let (cols, leaves, encoding) = match self {
-            Kept::Gemm(acc) => {
+            Kept::Gemm(KeptProduct { acc, leaves }) => {
                 if index >= acc.rows {
                     return None;
                 }
-                // The revealed row is encoded once, for its leaf and for the wire.
                 let encoding = row_encoding(acc, index);
-                let leaves: Vec<Commitment> = (0..acc.rows)
-                    .map(|r| match r == index {
-                        true => leaf_of_encoding(first + r, acc.cols, &encoding),
-                        false => row_leaf_at(acc, r, first),
-                    })
-                    .collect();
+                // The leaves the commitment hashed, when it covered every row of the hop (it
+                // always does for a stage's own hop); otherwise hashed again.
+                let leaves: Vec<Commitment> = match leaves.len() == acc.rows {
+                    true => leaves.clone(),
+                    false => (0..acc.rows)
+                        .map(|r| match r == index {
+                            true => leaf_of_encoding(first + r, acc.cols, &encoding),
+                            false => row_leaf_at(acc, r, first),
+                        })
+                        .collect(),
+                };
                 (acc.cols, leaves, encoding)
             }
             Kept::Leaves { cols, leaves, rows } => {
@@ -244,8 +248,13 @@ impl KeptHop {
             .iter()
             .filter(|(p, _)| needs.rows.contains(*p))
             .map(|(p, k)| {
-                k.reveal(*p, first, index, needs.context_values)
-                    .ok_or("a kept product is short")
+                k.reveal(
+                    *p,
+                    first,
+                    index,
+                    *p == Point::Context && needs.context_values,
+                )
+                .ok_or("a kept product is short")
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let end = first + l.input.rows();
@@ -306,9 +315,14 @@ pub fn rows_needed(checks: CheckSet) -> Needs {
     let mlp_in = CheckSet::of(&[Gate, Up, Fc]);
     let takes_mlp_in = !checks.intersection(mlp_in).is_empty();
     let mut rows = checks.intersection(weights);
-    let context_values = checks.contains(O) && !checks.attention();
+    // The context is recomputed only when it is drawn; otherwise, when the output projection
+    // is tested, its committed row (with values) is its input.
+    let context_values = checks.contains(O) && !checks.contains(Context);
     if checks.attention() {
-        rows = rows.union(CheckSet::of(&[Q, K, V, Scores, Context]));
+        rows = rows.union(CheckSet::of(&[Q, K, V, Scores]));
+    }
+    if checks.contains(Context) {
+        rows = rows.with(Context);
     }
     if context_values {
         rows = rows.with(Context);
@@ -543,14 +557,31 @@ impl LayerChecker {
                     e.point
                 ));
             }
-            let decoded = decode_for_check(&row.encoding, cols)
-                .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
-            values.push((e.point, decoded));
+            // A tested product's residues now (Freivalds); every row's rounded values when
+            // the glue computes on them (see `Revealed::linear`).
+            let residues = match checks.contains(e.point) {
+                true => {
+                    let want = Decode {
+                        residues: true,
+                        rounded: false,
+                    };
+                    decode_for_check(&row.encoding, cols, want)
+                        .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?
+                        .residues
+                }
+                false => Vec::new(),
+            };
+            values.push(RevealedValues {
+                point: e.point,
+                cols,
+                encoding: &row.encoding,
+                residues,
+            });
         }
         // Every row the checks need that the layer has was committed and revealed.
         let found = values
             .iter()
-            .map(|(p, _)| *p)
+            .map(|v| v.point)
             .chain(attention.iter().map(|(p, _)| *p))
             .fold(CheckSet::EMPTY, CheckSet::with);
         let has = self.products.iter().map(|(p, _, _)| *p).fold(
@@ -563,7 +594,8 @@ impl LayerChecker {
             ));
         }
         if reveal.rows.len() != values.len() + attention.len()
-            || attention.len() != if checks.attention() { 2 } else { 0 }
+            || attention.len()
+                != checks.attention() as usize + checks.contains(Point::Context) as usize
         {
             return Err(format!(
                 "layer {l}: rows revealed that the trace does not commit or the check does \
@@ -594,17 +626,28 @@ impl LayerChecker {
                 window: cfg.sliding_window,
             },
             attention,
+            tested: CheckSet::EMPTY,
         };
         let y = model
             .block(&glue, self.layer, x, &mut revealed)
             .map_err(|e| e.to_string())?;
+        let tested = revealed.tested;
+        // Every drawn part but the output (compared below) was tested inside the block.
+        if !checks
+            .difference(tested)
+            .difference(CheckSet::of(&[Point::Output]))
+            .is_empty()
+        {
+            return Err(format!("layer {l}: a drawn part was not tested"));
+        }
         let want = &next.data[index * cfg.hidden_size..(index + 1) * cfg.hidden_size];
-        if checks.contains(Point::Output)
-            && y.data
+        let output_differs = |y: &Activations| {
+            y.data
                 .iter()
                 .zip(want)
                 .any(|(a, b)| a.to_bits() != b.to_bits())
-        {
+        };
+        if checks.contains(Point::Output) && y.as_ref().is_none_or(output_differs) {
             return Err(format!(
                 "layer {l}: the output at position {pos} is not what the revealed products give"
             ));
@@ -734,7 +777,7 @@ struct Revealed<'a, 'c> {
     /// What is tested; a product outside it is only supplied (from its revealed row when some
     /// tested part needs it, as zeros otherwise: nothing tested depends on those).
     checks: CheckSet,
-    values: Vec<(Point, CheckedRow)>,
+    values: Vec<RevealedValues<'a>>,
     /// The revealed cache of the positions before the checked one.
     cache: &'c mut LayerCache,
     /// The revealed cache row of the checked position.
@@ -742,15 +785,39 @@ struct Revealed<'a, 'c> {
     shape: AttentionShape,
     /// The openings of both attention products' rows (their leaves are recomputed).
     attention: Vec<(Point, Opening<'a>)>,
+    /// The drawn parts tested so far: once every one is (and the output is not drawn),
+    /// nothing the rest of the block computes is needed.
+    tested: CheckSet,
+}
+
+/// A revealed row of a product the check needs: its encoding (opened against the
+/// commitment) and, when the product is tested, its values modulo p.
+struct RevealedValues<'a> {
+    point: Point,
+    cols: usize,
+    encoding: &'a [u8],
+    residues: Vec<u64>,
+}
+
+impl RevealedValues<'_> {
+    /// The row's values rounded as the stage's epilogue rounded them.
+    fn rounded(&self, layer: usize) -> Result<Vec<f32>> {
+        let want = Decode {
+            residues: false,
+            rounded: true,
+        };
+        decode_for_check(self.encoding, self.cols, want)
+            .map(|row| row.rounded)
+            .map_err(|why| {
+                ModelError::Input(format!("layer {layer}: the {:?} row: {why}", self.point))
+            })
+    }
 }
 
 impl Revealed<'_, '_> {
-    /// The revealed row of `point`, decoded for the check, if revealed.
-    fn row(&self, point: Point) -> Option<&CheckedRow> {
-        self.values
-            .iter()
-            .find(|(p, _)| *p == point)
-            .map(|(_, v)| v)
+    /// The revealed row of `point`, if revealed.
+    fn row(&self, point: Point) -> Option<&RevealedValues<'_>> {
+        self.values.iter().find(|v| v.point == point)
     }
 }
 
@@ -762,6 +829,11 @@ impl Products for Revealed<'_, '_> {
             .key(point)
             .ok_or_else(|| ModelError::Input(format!("layer {layer} has no {point:?} product")))?;
         out.clear();
+        let tested = match self.checks.contains(point) {
+            true => self.tested.with(point),
+            false => self.tested,
+        };
+        let needed_after = !self.checks.difference(tested).is_empty();
         let Some(row) = self.row(point) else {
             if self.checks.contains(point) {
                 return Err(ModelError::Input(format!(
@@ -778,28 +850,31 @@ impl Products for Revealed<'_, '_> {
                  (Freivalds' test)"
             )));
         }
-        out.extend_from_slice(&row.rounded);
-        add_bias(bias, out);
+        // Once every drawn part is tested nothing depends on this output: a stand-in.
+        let rounded = match needed_after {
+            true => Some(row.rounded(layer)?),
+            false => None,
+        };
+        self.tested = tested;
+        match rounded {
+            Some(r) => {
+                out.extend_from_slice(&r);
+                add_bias(bias, out);
+            }
+            None => out.resize(key.cols(), 0.0),
+        }
         Ok(())
+    }
+
+    fn more(&self) -> bool {
+        // The output is tested after the block, so a check drawing it never stops early.
+        !self.checks.difference(self.tested).is_empty()
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
         let layer = self.checker.layer;
         if !self.checks.attention() {
-            // The committed context (opened above) when the output projection is tested; a
-            // stand-in otherwise.
-            let ctx = match self.row(Point::Context) {
-                Some(row) => row.rounded.clone(),
-                None => vec![0.0; q.len()],
-            };
-            if ctx.len() != q.len() {
-                return Err(ModelError::Input(format!(
-                    "layer {layer}: the context row has {} values, not {}",
-                    ctx.len(),
-                    q.len()
-                )));
-            }
-            return Ok(ctx);
+            return self.committed_context(q.len());
         }
         self.cache.append(k, v)?;
         let mut mine = Vec::with_capacity(self.cache_row.len());
@@ -808,6 +883,24 @@ impl Products for Revealed<'_, '_> {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the cache row at position {start} is not the row's keys and values"
             )));
+        }
+        let differs = |point: Point| {
+            ModelError::Input(format!(
+                "layer {layer}: the {point:?} row at position {start} recomputed from the \
+                 revealed cache is not the committed one"
+            ))
+        };
+        if !self.checks.contains(Point::Context) {
+            // The scores alone: no softmax, no context (the committed context stands in for
+            // what follows, as when the attention is not drawn).
+            let leaf = score_row_leaf(self.shape, self.cache, q, start, layer)?;
+            for (point, opening) in &self.attention {
+                if !opening.holds_for(&leaf) {
+                    return Err(differs(*point));
+                }
+            }
+            self.tested = self.tested.with(Point::Scores);
+            return self.committed_context(q.len());
         }
         let mut ctx = vec![0f32; q.len()];
         let mut leaves = AttentionLeaves::default();
@@ -827,11 +920,31 @@ impl Products for Revealed<'_, '_> {
                 _ => &leaves.context,
             };
             if leaf.len() != 1 || !opening.holds_for(&leaf[0]) {
-                return Err(ModelError::Input(format!(
-                    "layer {layer}: the {point:?} row at position {start} recomputed from the \
-                     revealed cache is not the committed one"
-                )));
+                return Err(differs(*point));
             }
+        }
+        self.tested = self
+            .tested
+            .union(CheckSet::of(&[Point::Scores, Point::Context]));
+        Ok(ctx)
+    }
+}
+
+impl Revealed<'_, '_> {
+    /// The committed context row (revealed with its values, opened above) when the output
+    /// projection is tested without the context; a stand-in otherwise (nothing tested depends
+    /// on it).
+    fn committed_context(&self, width: usize) -> Result<Vec<f32>> {
+        let layer = self.checker.layer;
+        let ctx = match self.row(Point::Context) {
+            Some(row) => row.rounded(layer)?,
+            None => vec![0.0; width],
+        };
+        if ctx.len() != width {
+            return Err(ModelError::Input(format!(
+                "layer {layer}: the context row has {} values, not {width}",
+                ctx.len()
+            )));
         }
         Ok(ctx)
     }

@@ -58,14 +58,14 @@ impl Linear {
         out: &mut Vec<f32>,
         commit: Option<(usize, usize)>,
         keep: bool,
-    ) -> Result<(Option<dc_kernels::Commitment>, Option<Accumulators>)> {
+    ) -> Result<(Option<dc_kernels::Commitment>, Option<KeptProduct>)> {
         out.clear();
         out.resize(x.rows() * self.w.n(), 0.0);
         let kept = match commit {
             Some((first, from)) => {
                 let acc = gemm.matmul_exact(x, &self.w, out)?;
-                let c = gemm.commit_from(&acc, first, from);
-                (Some(c), keep.then_some(acc))
+                let (c, leaves) = gemm.commit_leaves_from(&acc, first, from);
+                (Some(c), keep.then_some(KeptProduct { acc, leaves }))
             }
             None => {
                 gemm.matmul(x, &self.w, out)?;
@@ -75,6 +75,16 @@ impl Linear {
         add_bias(self.bias.as_deref(), out);
         Ok(kept)
     }
+}
+
+/// A committed product's exact accumulators and the leaves of its committed rows, kept so a
+/// row can be revealed later.
+#[derive(Debug)]
+pub struct KeptProduct {
+    /// The exact accumulators.
+    pub acc: Accumulators,
+    /// The leaves of the committed rows (from the commitment's first position).
+    pub leaves: Vec<dc_kernels::Commitment>,
 }
 
 /// Adds `bias` (if any) to every row of `out`, in f32 after the product's single rounding.

@@ -581,6 +581,19 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
         v[1].0 = &t;
         let err = c.check(&model, &v, &empty(&model), &r, checks).unwrap_err();
         assert!(err.contains("lacks a row"), "{name}: {err}");
+        // A part the layer does not have (the other MLP's) is never tested, so the check is
+        // refused rather than passed: a check passes only when every drawn part was tested
+        // (it may stop the block once they are).
+        let other = match model.config.arch == dc_model::config::Arch::Gpt2 {
+            true => Point::Gate,
+            false => Point::Fc,
+        };
+        let checks = CheckSet::of(&[other]);
+        let r = kept.reveal(c.layer(), trace.from, checks, 0, &log).unwrap();
+        let err = c
+            .check(&model, &views(&hops, 1), &empty(&model), &r, checks)
+            .unwrap_err();
+        assert!(err.contains("not tested"), "{name}: {err}");
     }
 }
 

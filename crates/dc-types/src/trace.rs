@@ -86,6 +86,11 @@ impl CheckSet {
         CheckSet(self.0 & other.0)
     }
 
+    /// The points of this set not in `other`.
+    pub fn difference(self, other: CheckSet) -> CheckSet {
+        CheckSet(self.0 & !other.0)
+    }
+
     /// Whether the row's attention is recomputed (`Scores` or `Context` is tested).
     pub fn attention(self) -> bool {
         self.contains(Point::Scores) || self.contains(Point::Context)

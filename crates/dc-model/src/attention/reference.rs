@@ -62,7 +62,7 @@ pub(super) fn head_attention(
         let (dot, ex) = sum_terms(&terms, exact.is_some())
             .ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
         if let (Some(e), Some(v)) = (exact.as_deref_mut(), ex) {
-            e.scores.push(v);
+            e.scores.push(&v);
         }
         *s = dot * scale;
     }

@@ -321,24 +321,37 @@ fn spot_costs(
         gemm.install(|| c.check_in_place(model, &views, &mut known[l], &r, every))
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
         let checked = s.elapsed().as_secs_f64();
-        // The policy on the same hop: each layer's parts drawn as a head draws them.
-        for l in layers.clone() {
-            let checks = dc_model::draw_checks(&parts, rate, || coins.unit());
-            if checks.is_empty() {
-                continue;
-            }
-            let s = Instant::now();
-            let r = hop
-                .reveal(l, pos, checks, policy_known[l].len(), &log)
-                .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
-            gemm.install(|| {
-                checkers[l].check_in_place(model, &views, &mut policy_known[l], &r, checks)
-            })
-            .map_err(|e| anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}"))?;
-            policy_s += s.elapsed().as_secs_f64();
-            policy_bytes += dc_types::encode(&r, usize::MAX)?.len() as f64;
-            policy_layers += 1;
+        // The policy on the same hop: each layer's parts drawn as a head draws them, the
+        // stage revealing every pick, then the head checking them all on its engine's threads
+        // (one hand-over to the pool per hop, as a daemon's head does).
+        let picks: Vec<_> = layers
+            .clone()
+            .map(|l| (l, dc_model::draw_checks(&parts, rate, || coins.unit())))
+            .filter(|(_, checks)| !checks.is_empty())
+            .collect();
+        let s = Instant::now();
+        let reveals = picks
+            .iter()
+            .map(|&(l, checks)| hop.reveal(l, pos, checks, policy_known[l].len(), &log))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+        gemm.install(|| {
+            picks
+                .iter()
+                .zip(&reveals)
+                .try_for_each(|(&(l, checks), r)| {
+                    checkers[l]
+                        .check_in_place(model, &views, &mut policy_known[l], r, checks)
+                        .map_err(|e| {
+                            anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}")
+                        })
+                })
+        })?;
+        policy_s += s.elapsed().as_secs_f64();
+        for r in &reveals {
+            policy_bytes += dc_types::encode(r, usize::MAX)?.len() as f64;
         }
+        policy_layers += picks.len();
         if first {
             first_check.push(checked);
             first_bytes.push(size);
