@@ -695,6 +695,33 @@ impl LayerChecker {
     }
 }
 
+/// One pick of a hop to check: the layer's checker, what the stage revealed, the parts drawn,
+/// and the layer's verified cache rows (extended in place when the check recomputes the
+/// attention).
+pub type Pick<'a> = (
+    &'a LayerChecker,
+    &'a LayerReveal,
+    CheckSet,
+    &'a mut LayerCache,
+);
+
+/// [`LayerChecker::check_in_place`] of every pick of one hop (each of another layer), in
+/// parallel on the rayon pool this is called from (on the calling thread outside one); the
+/// results in pick order.
+pub fn check_picks(
+    model: &Model,
+    hops: &[(&HopTrace, usize)],
+    picks: Vec<Pick<'_>>,
+) -> Vec<std::result::Result<(), String>> {
+    use rayon::prelude::*;
+    let one =
+        |(c, reveal, checks, cache): Pick<'_>| c.check_in_place(model, hops, cache, reveal, checks);
+    match rayon::current_thread_index() {
+        Some(_) => picks.into_par_iter().map(one).collect(),
+        None => picks.into_iter().map(one).collect(),
+    }
+}
+
 /// Checks that `bytes` are `layer`'s KV cache rows of the positions of `hops` from `from` on
 /// — `hops` being all the hops a stage served in a generation, in order from position 0, as
 /// (signed trace, rows), and `from` where one of them starts (or their end) — exactly as each

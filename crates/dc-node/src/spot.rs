@@ -246,8 +246,9 @@ fn check_all(
     held: Vec<LayerCache>,
 ) -> Result<Vec<(usize, LayerCache)>, String> {
     let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
-    let mut verified = Vec::new();
-    for ((pick, reveal), mut cache) in picks.iter().zip(reveals).zip(held) {
+    let mut held = held;
+    let mut jobs = Vec::with_capacity(picks.len());
+    for ((pick, reveal), cache) in picks.iter().zip(reveals).zip(held.iter_mut()) {
         if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
             return Err(format!(
                 "asked for layer {} at {}, got layer {} at {}",
@@ -257,12 +258,19 @@ fn check_all(
         let c = checkers
             .get(&(pick.layer as usize))
             .ok_or("no checker for a picked layer")?;
-        c.check_in_place(model, &hops, &mut cache, reveal, pick.checks)?;
-        if pick.checks.attention() {
-            verified.push((pick.layer as usize, cache));
-        }
+        jobs.push((&**c, reveal, pick.checks, cache));
     }
-    Ok(verified)
+    // The picks are of different layers: checked in parallel on the engine's threads, the
+    // first failure in pick order reported.
+    dc_model::check_picks(model, &hops, jobs)
+        .into_iter()
+        .collect::<Result<Vec<()>, String>>()?;
+    Ok(picks
+        .iter()
+        .zip(held)
+        .filter(|(pick, _)| pick.checks.attention())
+        .map(|(pick, cache)| (pick.layer as usize, cache))
+        .collect())
 }
 
 /// The checkers of `layers`, building the missing ones from our own copy of the weights (one

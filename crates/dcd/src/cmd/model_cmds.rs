@@ -335,18 +335,18 @@ fn spot_costs(
             .map(|&(l, checks)| hop.reveal(l, pos, checks, policy_known[l].len(), &log))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
-        gemm.install(|| {
-            picks
-                .iter()
-                .zip(&reveals)
-                .try_for_each(|(&(l, checks), r)| {
-                    checkers[l]
-                        .check_in_place(model, &views, &mut policy_known[l], r, checks)
-                        .map_err(|e| {
-                            anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}")
-                        })
-                })
-        })?;
+        // Picks are of different layers, in layer order: each takes its layer's cache.
+        let mut wanted = picks.iter().zip(&reveals).peekable();
+        let mut jobs = Vec::with_capacity(picks.len());
+        for (l, cache) in policy_known.iter_mut().enumerate() {
+            if let Some((&(_, checks), r)) = wanted.next_if(|((pl, _), _)| *pl == l) {
+                jobs.push((&checkers[l], r, checks, cache));
+            }
+        }
+        let results = gemm.install(|| dc_model::check_picks(model, &views, jobs));
+        for (&(_, checks), done) in picks.iter().zip(results) {
+            done.map_err(|e| anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}"))?;
+        }
         policy_s += s.elapsed().as_secs_f64();
         for r in &reveals {
             policy_bytes += dc_types::encode(r, usize::MAX)?.len() as f64;
