@@ -75,13 +75,19 @@ fn cases() -> impl Strategy<Value = Case> {
         )
 }
 
+impl Case {
+    fn shape(&self) -> AttentionShape {
+        AttentionShape {
+            heads: self.kv_heads * self.group,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            window: self.window,
+        }
+    }
+}
+
 fn run(c: &Case, kernel: AttentionKernel) -> (Vec<u32>, String) {
-    let shape = AttentionShape {
-        heads: c.kv_heads * c.group,
-        kv_heads: c.kv_heads,
-        head_dim: c.head_dim,
-        window: c.window,
-    };
+    let shape = c.shape();
     let n = c.cached + c.rows;
     let kv = c.kv_heads * c.head_dim;
     let mut k = values(n * kv, c.seed, c.scale);
@@ -118,12 +124,7 @@ fn run(c: &Case, kernel: AttentionKernel) -> (Vec<u32>, String) {
 /// Every row's scores leaf alone ([`score_row_leaf`], what a check of the scores recomputes)
 /// against the leaves the whole attention commits; `None` when the attention fails.
 fn score_leaves_agree(c: &Case) -> Option<bool> {
-    let shape = AttentionShape {
-        heads: c.kv_heads * c.group,
-        kv_heads: c.kv_heads,
-        head_dim: c.head_dim,
-        window: c.window,
-    };
+    let shape = c.shape();
     let n = c.cached + c.rows;
     let kv = c.kv_heads * c.head_dim;
     let mut cache = LayerCache::new(c.kv_heads, c.head_dim);
