@@ -291,6 +291,9 @@ mod tests {
                     1 => Exact::from_i128(((rng.next_u64() as i128) << 40) | 1, -60),
                     // Past the f32 range once rounded.
                     2 if i % 7 == 0 => Exact::from_i64(3, 200),
+                    // At the top of the f32 range: f32::MAX, and the first value past it.
+                    4 if i % 5 == 0 => Exact::from_i64(0xff_ffff, 104),
+                    4 if i % 5 == 1 => Exact::from_i64(0x1ff_ffff, 103),
                     3 => Exact::from_i64(rng.next_u64() as i64, -((rng.next_u64() % 1200) as i32)),
                     _ => Exact::from_i64(
                         (rng.next_u64() >> 20) as i64 - (1 << 43),
