@@ -846,6 +846,24 @@ impl Revealed<'_, '_> {
     fn row(&self, point: Point) -> Option<&RevealedValues<'_>> {
         self.values.iter().find(|v| v.point == point)
     }
+
+    /// The committed context row (revealed with its values, opened above) when the output
+    /// projection is tested without the context; a stand-in otherwise (nothing tested depends
+    /// on it).
+    fn committed_context(&self, width: usize) -> Result<Vec<f32>> {
+        let layer = self.checker.layer;
+        let ctx = match self.row(Point::Context) {
+            Some(row) => row.rounded(layer)?,
+            None => vec![0.0; width],
+        };
+        if ctx.len() != width {
+            return Err(ModelError::Input(format!(
+                "layer {layer}: the context row has {} values, not {width}",
+                ctx.len()
+            )));
+        }
+        Ok(ctx)
+    }
 }
 
 impl Products for Revealed<'_, '_> {
@@ -953,26 +971,6 @@ impl Products for Revealed<'_, '_> {
         self.tested = self
             .tested
             .union(CheckSet::of(&[Point::Scores, Point::Context]));
-        Ok(ctx)
-    }
-}
-
-impl Revealed<'_, '_> {
-    /// The committed context row (revealed with its values, opened above) when the output
-    /// projection is tested without the context; a stand-in otherwise (nothing tested depends
-    /// on it).
-    fn committed_context(&self, width: usize) -> Result<Vec<f32>> {
-        let layer = self.checker.layer;
-        let ctx = match self.row(Point::Context) {
-            Some(row) => row.rounded(layer)?,
-            None => vec![0.0; width],
-        };
-        if ctx.len() != width {
-            return Err(ModelError::Input(format!(
-                "layer {layer}: the context row has {} values, not {width}",
-                ctx.len()
-            )));
-        }
         Ok(ctx)
     }
 }

@@ -243,10 +243,9 @@ fn check_all(
     traces: &[(dc_types::HopTrace, usize)],
     picks: &[RevealPick],
     reveals: &[dc_types::LayerReveal],
-    held: Vec<LayerCache>,
+    mut held: Vec<LayerCache>,
 ) -> Result<Vec<(usize, LayerCache)>, String> {
     let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
-    let mut held = held;
     let mut jobs = Vec::with_capacity(picks.len());
     for ((pick, reveal), cache) in picks.iter().zip(reveals).zip(held.iter_mut()) {
         if (reveal.layer, reveal.position) != (pick.layer, pick.position) {
