@@ -356,6 +356,38 @@ pub fn check_parts(config: &crate::ModelConfig) -> Vec<Point> {
     [&[Q, K, V, Scores, Context, O][..], mlp, &[Output]].concat()
 }
 
+/// The detection goal the default spot-check rate is set for (issue 5): a stage that corrupts
+/// at least `GOAL_PERCENT` % of the GEMMs it runs in the decode hops of a `GOAL_TOKENS`-token
+/// generation escapes every spot check with probability at most `GOAL_ESCAPE`.
+pub const GOAL_PERCENT: usize = 1;
+/// See [`GOAL_PERCENT`].
+pub const GOAL_TOKENS: usize = 256;
+/// See [`GOAL_PERCENT`].
+pub const GOAL_ESCAPE: f64 = 1e-6;
+
+/// The GEMMs of one layer of `config` in one decode hop: the parts of [`check_parts`] but the
+/// output (which is glue, not a product).
+pub fn gemms_per_layer(config: &crate::ModelConfig) -> usize {
+    check_parts(config)
+        .iter()
+        .filter(|&&p| p != Point::Output)
+        .count()
+}
+
+/// The per-part rate that meets the goal ([`GOAL_PERCENT`]) for a stage of `layers` layers of
+/// `config`. The fewest lies that are the goal's share of the stage's
+/// `GOAL_TOKENS · gemms_per_layer · layers` GEMMs are `N` (rounded up), and each corrupted GEMM
+/// is drawn with probability `c` on its own coin, so the liar escapes with `(1 − c)^N`; the
+/// rate is the least `c` with `(1 − c)^N ≤ GOAL_ESCAPE`, `1 − GOAL_ESCAPE^(1/N)`. A stage of
+/// fewer layers runs fewer GEMMs, so its share is fewer lies and it takes a higher rate (0.45
+/// for one Llama layer, 0.058 for ten, 0.018 for 32).
+pub fn goal_rate(config: &crate::ModelConfig, layers: usize) -> f64 {
+    let gemms = GOAL_TOKENS * gemms_per_layer(config) * layers;
+    let lies = (gemms * GOAL_PERCENT).div_ceil(100).max(1);
+    // 1 − e^(ln(escape) / N), without the cancellation of computing the power first.
+    -(GOAL_ESCAPE.ln() / lies as f64).exp_m1()
+}
+
 /// The parts a check tests when each of `parts` is drawn independently with probability
 /// `rate` (`unit` gives the draws, uniform in `[0, 1)`; a rate of 1 or more takes every part).
 /// Drawing parts rather than whole layers is what makes the guarantee independent of how a

@@ -704,3 +704,31 @@ fn parts_are_drawn_independently_at_the_rate() {
         "together: {both}"
     );
 }
+
+#[test]
+fn the_goal_rate_is_the_least_that_meets_the_goal() {
+    for (name, gemms) in [("gpt2", 8), ("llama", 9)] {
+        let config = fixture(name, 1).0.config;
+        assert_eq!(dc_model::gemms_per_layer(&config), gemms, "{name}");
+        let mut last = 1.0;
+        for layers in 1..=96 {
+            let c = dc_model::goal_rate(&config, layers);
+            // The fewest lies that are 1 % of the stage's GEMMs in 256 decode hops.
+            let lies = (256 * gemms * layers).div_ceil(100) as f64;
+            let escape = |c: f64| (1.0 - c).powf(lies);
+            assert!(escape(c) <= 1e-6 * (1.0 + 1e-9), "{name} {layers}: {c}");
+            assert!(
+                escape(c * (1.0 - 1e-6)) > 1e-6,
+                "{name} {layers}: {c} is not the least"
+            );
+            assert!(c < last, "{name} {layers}: {c} after {last}");
+            last = c;
+        }
+    }
+    let llama = fixture("llama", 1).0.config;
+    // The figures docs/VERIFICATION.md gives: 24 lies for one layer, 231 for ten, 738 for 32.
+    for (layers, rate) in [(1, 0.43766), (10, 0.05805), (32, 0.01855)] {
+        let c = dc_model::goal_rate(&llama, layers);
+        assert!((c - rate).abs() < 1e-5, "{layers} layers: {c}");
+    }
+}

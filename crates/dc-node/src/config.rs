@@ -18,6 +18,55 @@ pub enum LayerChoice {
     Auto,
 }
 
+/// How a head draws the parts of a remote hop's layers for spot checks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SpotRate {
+    /// Each stage at the rate that meets the detection goal for its layer count
+    /// (`dc_model::goal_rate`): a stage corrupting 1 % of its GEMMs in a 256-token generation
+    /// escapes with probability at most 10⁻⁶, however many layers it serves.
+    Goal,
+    /// Every part of every stage with this probability (0 to 1).
+    Fixed(f32),
+}
+
+impl SpotRate {
+    /// The probability each part of a stage over `layers` layers of `model` is drawn with.
+    pub fn for_stage(self, model: &dc_model::ModelConfig, layers: usize) -> f32 {
+        match self {
+            SpotRate::Goal => dc_model::goal_rate(model, layers) as f32,
+            SpotRate::Fixed(c) => c.clamp(0.0, 1.0),
+        }
+    }
+}
+
+impl std::fmt::Display for SpotRate {
+    /// `auto` or the rate, as the config file and `--spot-check-rate` take it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpotRate::Goal => f.write_str("auto"),
+            SpotRate::Fixed(c) => write!(f, "{c}"),
+        }
+    }
+}
+
+impl std::str::FromStr for SpotRate {
+    type Err = String;
+
+    /// `auto` (any case) or a number from 0 to 1.
+    fn from_str(s: &str) -> Result<SpotRate, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(SpotRate::Goal);
+        }
+        match s.parse::<f32>() {
+            Ok(c) if (0.0..=1.0).contains(&c) => Ok(SpotRate::Fixed(c)),
+            _ => Err(format!(
+                "{s:?} is neither \"auto\" nor a number from 0 to 1"
+            )),
+        }
+    }
+}
+
 /// Everything `dcd join` needs.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -73,8 +122,8 @@ pub struct NodeConfig {
     /// Probability that a head audits one remote hop (generations may ask for more).
     pub audit_rate: f32,
     /// Probability that a head tests each part (weight product, attention, output) of each
-    /// layer of a remote hop by a spot check (Freivalds on revealed rows).
-    pub spot_check_rate: f32,
+    /// layer of a remote hop by a spot check (Freivalds on revealed rows), per stage.
+    pub spot_check_rate: SpotRate,
 }
 
 impl NodeConfig {
@@ -111,7 +160,7 @@ impl NodeConfig {
             idle_only: false,
             idle_threshold: 0.5,
             audit_rate: 0.01,
-            spot_check_rate: 0.06,
+            spot_check_rate: SpotRate::Goal,
         }
     }
 }

@@ -201,7 +201,7 @@ struct Attempt {
     /// Per route stage: the cache rows spot checks verified.
     known: Vec<spot::KnownCaches>,
     rate: f32,
-    spot_rate: f32,
+    spot_rate: crate::SpotRate,
 }
 
 impl Attempt {
@@ -265,7 +265,8 @@ impl Attempt {
                     x.start,
                     x.rows(),
                     &dc_model::check_parts(&node.model_cfg),
-                    self.spot_rate,
+                    self.spot_rate
+                        .for_stage(&node.model_cfg, h.layers.len() as usize),
                 ),
                 false => Vec::new(),
             };
@@ -437,7 +438,7 @@ async fn drive(
             .await;
         let (rate, spot_rate) = match req.verify {
             VerifyMode::Sampled(r) => (r.clamp(0.0, 1.0), node.cfg.spot_check_rate),
-            VerifyMode::All => (0.0, 0.0),
+            VerifyMode::All => (0.0, crate::SpotRate::Fixed(0.0)),
         };
         let route_len = route.len();
         let mut at = Attempt {

@@ -22,7 +22,7 @@ pub mod status;
 pub mod verify;
 pub mod view;
 
-pub use config::{LayerChoice, NodeConfig};
+pub use config::{LayerChoice, NodeConfig, SpotRate};
 pub use node::{run, Node};
 
 /// Whether this build can lie on request (the `fault-injection` feature, for tests only).

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use dc_kernels::Kernel;
 use dc_net::Multiaddr;
-use dc_node::{LayerChoice, NodeConfig};
+use dc_node::{LayerChoice, NodeConfig, SpotRate};
 
 /// Every setting, in the order `dcd config show` and `config/dcd.toml` list them, with a line
 /// of help.
@@ -76,7 +76,8 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "spot_check_rate",
-        "share of layers of each remote hop this peer spot-checks when it heads (0 to 1)",
+        "chance each part of each layer of a remote hop is spot-checked when this peer heads \
+         (0 to 1, or auto: per stage, the rate that meets the detection goal)",
     ),
 ];
 
@@ -175,8 +176,9 @@ pub struct Settings {
     pub selftest: bool,
     /// Share of hops audited by replay when this peer heads a generation.
     pub audit_rate: f64,
-    /// Share of layers of each remote hop spot-checked when this peer heads a generation.
-    pub spot_check_rate: f64,
+    /// Chance each part of each layer of a remote hop is spot-checked when this peer heads a
+    /// generation (`auto`: per stage, the rate that meets the detection goal).
+    pub spot_check_rate: SpotRate,
 }
 
 impl Settings {
@@ -206,7 +208,7 @@ impl Settings {
             selftest: d.selftest,
             // Through the shortest decimal, so 0.1 shows as 0.1 rather than f32's widening.
             audit_rate: d.audit_rate.to_string().parse().unwrap_or(0.01),
-            spot_check_rate: d.spot_check_rate.to_string().parse().unwrap_or(0.06),
+            spot_check_rate: d.spot_check_rate,
         }
     }
 
@@ -243,7 +245,11 @@ impl Settings {
             "max_message_bytes" => V::Integer(self.max_message_bytes as i64),
             "selftest" => V::Boolean(self.selftest),
             "audit_rate" => V::Float(self.audit_rate),
-            "spot_check_rate" => V::Float(self.spot_check_rate),
+            "spot_check_rate" => match self.spot_check_rate {
+                SpotRate::Goal => V::String("auto".into()),
+                // Through the shortest decimal, as `audit_rate` above.
+                SpotRate::Fixed(c) => V::Float(c.to_string().parse().unwrap_or(f64::from(c))),
+            },
             _ => return None,
         })
     }
@@ -273,7 +279,7 @@ impl Settings {
         cfg.max_message_bytes = self.max_message_bytes;
         cfg.selftest = self.selftest;
         cfg.audit_rate = self.audit_rate as f32;
-        cfg.spot_check_rate = self.spot_check_rate as f32;
+        cfg.spot_check_rate = self.spot_check_rate;
         Ok(cfg)
     }
 
@@ -332,7 +338,13 @@ impl Settings {
             "max_message_bytes" => self.max_message_bytes = size(v, 1 << 16, 1 << 30)? as usize,
             "selftest" => self.selftest = boolean(v)?,
             "audit_rate" => self.audit_rate = float(v, 0.0, 1.0)?,
-            "spot_check_rate" => self.spot_check_rate = float(v, 0.0, 1.0)?,
+            "spot_check_rate" => {
+                self.spot_check_rate = match v {
+                    Input::Toml(toml::Value::String(s)) => s.parse()?,
+                    Input::Text(s) => s.parse()?,
+                    _ => SpotRate::Fixed(float(v, 0.0, 1.0)? as f32),
+                }
+            }
             _ => return Err("not a setting".into()),
         }
         Ok(())
@@ -419,7 +431,7 @@ pub fn flags(cli: &crate::cli::Cli) -> Flags {
         f.set("audit_rate", "--audit-rate", x);
     }
     if let Some(x) = a.spot_check_rate {
-        f.set("spot_check_rate", "--spot-check-rate", x);
+        f.set("spot_check_rate", "--spot-check-rate", x.to_string());
     }
     f
 }
@@ -964,6 +976,62 @@ mod tests {
         let e = err(&flags, &none, None);
         assert!(
             e.starts_with("max_message_bytes (flag --max-message-bytes): "),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_spot_check_rate_is_auto_or_a_rate() {
+        let none = BTreeMap::new();
+        let rate = |flags: &Flags, e: &BTreeMap<String, String>, f: Option<&ConfigFile>| {
+            resolve(flags, e, f).unwrap().settings.spot_check_rate
+        };
+        assert_eq!(Settings::defaults().spot_check_rate, SpotRate::Goal);
+        let auto = file("spot_check_rate = \"auto\"");
+        assert_eq!(rate(&Flags::default(), &none, Some(&auto)), SpotRate::Goal);
+        let fixed = file("spot_check_rate = 0.25");
+        assert_eq!(
+            rate(&Flags::default(), &none, Some(&fixed)),
+            SpotRate::Fixed(0.25)
+        );
+        let one = file("spot_check_rate = 1");
+        assert_eq!(
+            rate(&Flags::default(), &none, Some(&one)),
+            SpotRate::Fixed(1.0)
+        );
+        let e = env(&[("DCD_SPOT_CHECK_RATE", "AUTO")]);
+        assert_eq!(rate(&Flags::default(), &e, Some(&fixed)), SpotRate::Goal);
+        let mut flags = Flags::default();
+        flags.set("spot_check_rate", "--spot-check-rate", "0.06");
+        assert_eq!(rate(&flags, &e, Some(&auto)), SpotRate::Fixed(0.06));
+        // As `config show` prints it and the file takes it back.
+        let shown = |r: SpotRate| {
+            let s = Settings {
+                spot_check_rate: r,
+                ..Settings::defaults()
+            };
+            s.value("spot_check_rate").unwrap().to_string()
+        };
+        assert_eq!(shown(SpotRate::Goal), "\"auto\"");
+        assert_eq!(shown(SpotRate::Fixed(0.06)), "0.06");
+        for bad in [
+            "spot_check_rate = 1.5",
+            "spot_check_rate = \"often\"",
+            "spot_check_rate = true",
+        ] {
+            let e = err(&Flags::default(), &none, Some(&file(bad)));
+            assert!(
+                e.starts_with("spot_check_rate (file /etc/dcd/dcd.toml): "),
+                "{bad}: {e}"
+            );
+        }
+        let e = err(
+            &Flags::default(),
+            &env(&[("DCD_SPOT_CHECK_RATE", "-0.1")]),
+            None,
+        );
+        assert!(
+            e.contains("neither \"auto\" nor a number from 0 to 1"),
             "{e}"
         );
     }

@@ -450,9 +450,14 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
         }
         let spot = if a.spot_check {
             let daemon = dc_node::NodeConfig::new(path.clone(), std::env::temp_dir());
+            // The bench's stage serves every layer; the rate goes through the shortest decimal
+            // so 0.06 stays 0.06 rather than f32's widening.
             let rate = a
                 .spot_check_rate
-                .unwrap_or(daemon.spot_check_rate.to_string().parse()?);
+                .unwrap_or(daemon.spot_check_rate)
+                .for_stage(&model.config, model.config.num_layers)
+                .to_string()
+                .parse()?;
             Some(spot_costs(&model, &gemm, &prompt, a.decode_tokens, rate)?)
         } else {
             None
