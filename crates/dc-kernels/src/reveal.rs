@@ -124,44 +124,16 @@ impl Decode {
 /// what `want` asks for; refuses what [`decode_row`] refuses, and a value that overflows f32
 /// (no honest epilogue produces one) whatever is asked for.
 pub fn decode_for_check(bytes: &[u8], cols: usize, want: Decode) -> Result<CheckedRow, String> {
-    use crate::freivalds::{exact_mod, small_mod};
+    use crate::freivalds::exact_mod;
     if bytes.len() == cols * 12 {
         // Every value small (12 bytes) is what a product nearly always gives: one tight pass,
         // leaving anything unusual (a wide value, an extreme exponent, an overflow) to the
         // general path below, which gives the same numbers and the errors.
         let mut row = CheckedRow {
-            residues: Vec::with_capacity(if want.residues { cols } else { 0 }),
-            rounded: Vec::with_capacity(if want.rounded { cols } else { 0 }),
+            residues: vec![0; if want.residues { cols } else { 0 }],
+            rounded: vec![0.0; if want.rounded { cols } else { 0 }],
         };
-        let mut usual = true;
-        for rec in bytes.chunks_exact(12) {
-            let (m, e) = rec.split_at(8);
-            let mant = i64::from_le_bytes(m.try_into().expect("8 bytes"));
-            let exp = i32::from_le_bytes(e.try_into().expect("4 bytes"));
-            // The range where `rounded` takes the fast rounding (and i32::MIN, the wide
-            // marker, is outside it).
-            if !(-1000..=900).contains(&exp) {
-                usual = false;
-                break;
-            }
-            if want.residues {
-                row.residues.push(small_mod(mant, exp));
-            }
-            // Below 2^127 a value cannot round past f32::MAX, so unless its rounding is
-            // wanted it need not be computed.
-            let top = exp + (64 - mant.unsigned_abs().leading_zeros() as i32);
-            if want.rounded || top > 127 {
-                let f = round_i64_fast(mant, exp);
-                if !f.is_finite() {
-                    usual = false;
-                    break;
-                }
-                if want.rounded {
-                    row.rounded.push(f);
-                }
-            }
-        }
-        if usual {
+        if decode_small(bytes, &mut row.residues, &mut row.rounded) {
             return Ok(row);
         }
     }
@@ -181,6 +153,191 @@ pub fn decode_for_check(bytes: &[u8], cols: usize, want: Decode) -> Result<Check
             false => Vec::new(),
         },
     })
+}
+
+/// The exponents of the usual values: where `round_i64_fast` takes its fast rounding (and
+/// `i32::MIN`, the wide marker, is outside).
+const USUAL_EXP: std::ops::RangeInclusive<i32> = -1000..=900;
+
+/// [`decode_for_check`] of a row of small 12-byte values (`bytes` is whole values), into
+/// `residues` and `rounded` unless they are empty (otherwise each is one per value). Returns
+/// false, with the outputs meaningless, when any value is unusual: an exponent outside
+/// [`USUAL_EXP`] or a rounding past f32 (checked whether or not the roundings are wanted).
+pub fn decode_small(bytes: &[u8], residues: &mut [u64], rounded: &mut [f32]) -> bool {
+    let n = bytes.len() / 12;
+    assert!(
+        bytes.len() == n * 12
+            && (residues.is_empty() || residues.len() == n)
+            && (rounded.is_empty() || rounded.len() == n),
+        "whole values, and one output per value"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected.
+        return unsafe { avx2::decode_small(bytes, residues, rounded) };
+    }
+    decode_small_scalar(bytes, residues, rounded)
+}
+
+/// The definition of [`decode_small`], value by value.
+pub fn decode_small_scalar(bytes: &[u8], residues: &mut [u64], rounded: &mut [f32]) -> bool {
+    use crate::freivalds::small_mod;
+    for (i, rec) in bytes.chunks_exact(12).enumerate() {
+        let (m, e) = rec.split_at(8);
+        let mant = i64::from_le_bytes(m.try_into().expect("8 bytes"));
+        let exp = i32::from_le_bytes(e.try_into().expect("4 bytes"));
+        if !USUAL_EXP.contains(&exp) {
+            return false;
+        }
+        if !residues.is_empty() {
+            residues[i] = small_mod(mant, exp);
+        }
+        // Below 2^127 a value cannot round past f32::MAX, so unless its rounding is wanted it
+        // need not be computed.
+        let top = exp + (64 - mant.unsigned_abs().leading_zeros() as i32);
+        if !rounded.is_empty() || top > 127 {
+            let f = round_i64_fast(mant, exp);
+            if !f.is_finite() {
+                return false;
+            }
+            if !rounded.is_empty() {
+                rounded[i] = f;
+            }
+        }
+    }
+    true
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! Four values at a time. The residue: `|m|` folded below p (2^61 ≡ 1), negated for a
+    //! negative `m`, rotated by `e mod 61` (a multiply-shift division, exact for the usual
+    //! exponents). The rounding: `|m|` below 2^52 converts to f64 exactly by the 2^52 bias
+    //! trick; a larger one is shifted right by 12 with the bits shifted out kept as a sticky
+    //! bit (still ≥ 40 significant bits, so rounding to f32's 24 is unchanged), then scaled by
+    //! `2^(e + shift)` exactly in f64 (the usual exponents keep it normal) and rounded once to
+    //! f32, to nearest even as `as f32` does: the same bits as `round_i64_fast`.
+    use std::arch::x86_64::*;
+
+    use super::USUAL_EXP;
+    use crate::freivalds::P;
+
+    /// See [`super::decode_small`] (which checked the lengths).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn decode_small(bytes: &[u8], residues: &mut [u64], rounded: &mut [f32]) -> bool {
+        let n = bytes.len() / 12;
+        let (want_res, want_f32) = (!residues.is_empty(), !rounded.is_empty());
+        let p = _mm256_set1_epi64x(P as i64);
+        let zero = _mm256_setzero_si256();
+        let (lo, hi) = (
+            _mm_set1_epi32(*USUAL_EXP.start()),
+            _mm_set1_epi32(*USUAL_EXP.end()),
+        );
+        // e + 61·17 is in 0..2048 for the usual exponents, where ⌊x · 2149 / 2^17⌋ = ⌊x / 61⌋.
+        let (bias, magic, c61) = (
+            _mm_set1_epi32(61 * 17),
+            _mm_set1_epi32(2149),
+            _mm_set1_epi32(61),
+        );
+        let two52 = _mm256_set1_epi64x(0x4330_0000_0000_0000);
+        let (low12, one, twelve) = (
+            _mm256_set1_epi64x(0xfff),
+            _mm256_set1_epi64x(1),
+            _mm256_set1_epi64x(12),
+        );
+        let high_halves = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
+        let (sign32, inf32) = (_mm_set1_epi32(i32::MIN), _mm_set1_epi32(0x7f80_0000));
+        let mut unusual = _mm_setzero_si128();
+        let mut i = 0;
+        while i + 4 <= n {
+            let group: &[u8; 48] = bytes[i * 12..i * 12 + 48].try_into().expect("4 values");
+            let mant = |j: usize| {
+                i64::from_le_bytes(group[j * 12..j * 12 + 8].try_into().expect("8 bytes"))
+            };
+            let exp = |j: usize| {
+                i32::from_le_bytes(group[j * 12 + 8..j * 12 + 12].try_into().expect("4 bytes"))
+            };
+            let m = _mm256_set_epi64x(mant(3), mant(2), mant(1), mant(0));
+            let e = _mm_set_epi32(exp(3), exp(2), exp(1), exp(0));
+            unusual = _mm_or_si128(
+                unusual,
+                _mm_or_si128(_mm_cmplt_epi32(e, lo), _mm_cmpgt_epi32(e, hi)),
+            );
+            let neg = _mm256_cmpgt_epi64(zero, m);
+            let mag = _mm256_sub_epi64(_mm256_xor_si256(m, neg), neg);
+            if want_res {
+                // |m| ≤ 2^63 folds below 2^61 + 4; one conditional subtraction finishes.
+                let f = _mm256_add_epi64(_mm256_and_si256(mag, p), _mm256_srli_epi64(mag, 61));
+                let f = _mm256_sub_epi64(
+                    f,
+                    _mm256_and_si256(_mm256_cmpgt_epi64(f, _mm256_sub_epi64(p, one)), p),
+                );
+                let nonzero = _mm256_xor_si256(_mm256_cmpeq_epi64(f, zero), _mm256_set1_epi64x(-1));
+                let x =
+                    _mm256_blendv_epi8(f, _mm256_sub_epi64(p, f), _mm256_and_si256(neg, nonzero));
+                let eb = _mm_add_epi32(e, bias);
+                let q = _mm_srli_epi32(_mm_mullo_epi32(eb, magic), 17);
+                let k = _mm256_cvtepu32_epi64(_mm_sub_epi32(eb, _mm_mullo_epi32(q, c61)));
+                let r = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_sllv_epi64(x, k), p),
+                    _mm256_srlv_epi64(x, _mm256_sub_epi64(_mm256_set1_epi64x(61), k)),
+                );
+                let out = &mut residues[i..i + 4];
+                // SAFETY: `out` is four u64s; the store is unaligned.
+                unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), r) };
+            }
+            let big = _mm256_xor_si256(
+                _mm256_cmpeq_epi64(_mm256_srli_epi64(mag, 52), zero),
+                _mm256_set1_epi64x(-1),
+            );
+            let shift = _mm256_and_si256(big, twelve);
+            let sticky = _mm256_andnot_si256(
+                _mm256_cmpeq_epi64(_mm256_and_si256(mag, low12), zero),
+                _mm256_and_si256(big, one),
+            );
+            let kept = _mm256_or_si256(_mm256_srlv_epi64(mag, shift), sticky);
+            let whole = _mm256_sub_pd(
+                _mm256_castsi256_pd(_mm256_or_si256(kept, two52)),
+                _mm256_castsi256_pd(two52),
+            );
+            let scale = _mm256_slli_epi64(
+                _mm256_add_epi64(
+                    _mm256_add_epi64(_mm256_cvtepi32_epi64(e), shift),
+                    _mm256_set1_epi64x(1023),
+                ),
+                52,
+            );
+            let v = _mm_castps_si128(_mm256_cvtpd_ps(_mm256_mul_pd(
+                whole,
+                _mm256_castsi256_pd(scale),
+            )));
+            let sign = _mm_and_si128(
+                _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(m, high_halves)),
+                sign32,
+            );
+            // Rounded past f32::MAX: infinity (a lane with an unusual exponent may hold
+            // anything; it is refused anyway).
+            unusual = _mm_or_si128(unusual, _mm_cmpeq_epi32(v, inf32));
+            if want_f32 {
+                let out = &mut rounded[i..i + 4];
+                // SAFETY: `out` is four f32s; the store is unaligned.
+                unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), _mm_or_si128(v, sign)) };
+            }
+            i += 4;
+        }
+        let tail_res = if want_res {
+            &mut residues[i..]
+        } else {
+            &mut [][..]
+        };
+        let tail_f32 = if want_f32 {
+            &mut rounded[i..]
+        } else {
+            &mut [][..]
+        };
+        _mm_testz_si128(unusual, unusual) == 1
+            && super::decode_small_scalar(&bytes[i * 12..], tail_res, tail_f32)
+    }
 }
 
 /// The next `N` bytes of `rest`, if there are that many.
@@ -324,6 +481,112 @@ mod tests {
                     rounded: if rounded { w.rounded } else { Vec::new() },
                 });
                 assert_eq!(part, want, "case {i} {residues} {rounded}");
+            }
+        }
+    }
+
+    /// A small value of one of the kinds that meet the fast decoding's edges: zero, ±1, the
+    /// i64 extremes, mantissas around 2^52 (where the rounding starts shifting) with and
+    /// without bits below the shift, and exponents at the usual range's ends, at f32's top and
+    /// in its subnormals.
+    fn edge_value(rng: &mut crate::rng::SplitMix64) -> (i64, i32) {
+        const P: i64 = crate::freivalds::P as i64;
+        let r = rng.next_u64();
+        let mant = match r % 10 {
+            0 => 0,
+            // Multiples of p, negative ones too: residue 0 whatever the sign.
+            1 => [
+                1,
+                -1,
+                i64::MIN,
+                i64::MAX,
+                i64::MIN + 1,
+                P,
+                -P,
+                2 * P,
+                -2 * P,
+                -3 * P,
+            ][(r >> 8) as usize % 10],
+            2 => ((1i64 << 52) + ((r >> 8) % 5) as i64 - 2) * if r & 1 << 20 == 0 { 1 } else { -1 },
+            3 => ((r >> 12) as i64) << 12,
+            4 => -(((r >> 13) as i64) << 12) - ((r >> 40) & 1) as i64,
+            5 => (rng.next_u64() >> (rng.next_u64() % 64)) as i64,
+            _ => rng.next_u64() as i64,
+        };
+        let bits = 64 - mant.unsigned_abs().leading_zeros() as i32;
+        let exp = match rng.next_u64() % 8 {
+            0 => [-1001, -1000, 900, 901][(r >> 24) as usize % 4],
+            1 => 126 - bits + (rng.next_u64() % 4) as i32,
+            2 => -149 - bits + (rng.next_u64() % 30) as i32 - 15,
+            3 => (rng.next_u64() % 2100) as i32 - 1100,
+            _ => (rng.next_u64() % 300) as i32 - 200,
+        };
+        (mant, exp)
+    }
+
+    #[test]
+    fn the_fast_decoding_is_its_scalar_definition() {
+        let mut rng = crate::rng::SplitMix64::new(23);
+        let mut accepted = 0;
+        for i in 0..20_000u64 {
+            let cols = (rng.next_u64() % 41) as usize;
+            // Mostly rows of ordinary values with an edge here and there, so that most rows
+            // are accepted and every lane position meets every edge.
+            let edges = rng.next_u64() % 3;
+            let values: Vec<(i64, i32)> = (0..cols)
+                .map(|_| match rng.next_u64() % 8 < edges {
+                    true => edge_value(&mut rng),
+                    false => (
+                        (rng.next_u64() >> (rng.next_u64() % 40)) as i64 - (1 << 22),
+                        (rng.next_u64() % 120) as i32 - 100,
+                    ),
+                })
+                .collect();
+            let bytes: Vec<u8> = values
+                .iter()
+                .flat_map(|(m, e)| m.to_le_bytes().into_iter().chain(e.to_le_bytes()))
+                .collect();
+            for (res, f32s) in [(true, true), (true, false), (false, true), (false, false)] {
+                let outputs = || {
+                    (
+                        vec![0u64; if res { cols } else { 0 }],
+                        vec![0f32; if f32s { cols } else { 0 }],
+                    )
+                };
+                let (mut r1, mut f1) = outputs();
+                let (mut r2, mut f2) = outputs();
+                let fast = decode_small(&bytes, &mut r1, &mut f1);
+                let scalar = decode_small_scalar(&bytes, &mut r2, &mut f2);
+                assert_eq!(fast, scalar, "case {i} {values:?}");
+                if fast {
+                    accepted += 1;
+                    assert_eq!(r1, r2, "case {i} {values:?}");
+                    let bits = |f: &[f32]| f.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&f1), bits(&f2), "case {i} {values:?}");
+                }
+            }
+            // And through the entry point, against decoding then reducing and rounding.
+            assert_eq!(
+                decode_for_check(&bytes, cols, Decode::BOTH),
+                checked_by_definition(&bytes, cols),
+                "case {i} {values:?}"
+            );
+        }
+        assert!(accepted > 20_000, "the fast path must be taken: {accepted}");
+        // Every usual exponent (and the two beyond), each lane position.
+        let mants = [1i64, -3, (1 << 52) + 1, i64::MIN, 0x1234_5678_9abc_def1];
+        for e in *USUAL_EXP.start() - 1..=*USUAL_EXP.end() + 1 {
+            let bytes: Vec<u8> = mants
+                .iter()
+                .flat_map(|m| m.to_le_bytes().into_iter().chain(e.to_le_bytes()))
+                .collect();
+            let (mut r1, mut r2) = (vec![0u64; 5], vec![0u64; 5]);
+            let fast = decode_small(&bytes, &mut r1, &mut []);
+            assert_eq!(fast, decode_small_scalar(&bytes, &mut r2, &mut []), "{e}");
+            // Refused: outside the usual range, or i64::MIN · 2^e rounds past f32 (e ≥ 65).
+            assert_eq!(fast, USUAL_EXP.contains(&e) && e < 65, "{e}");
+            if fast {
+                assert_eq!(r1, r2, "{e}");
             }
         }
     }
