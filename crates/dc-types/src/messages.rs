@@ -253,7 +253,9 @@ pub struct LayerReveal {
     pub rows: Vec<RevealedRow>,
     /// The layer's KV cache rows of positions `cache_from..` the end of the hop, each in its
     /// canonical encoding (`dc_model::LayerCache::encode_row`), committed hop by hop as
-    /// `KvCache`; empty unless the checks recompute the attention.
+    /// `KvCache`; empty unless the checks recompute the attention. (Bytes on the wire as one
+    /// block, not byte by byte: the same bincode bytes, copied instead of visited.)
+    #[serde(with = "serde_bytes")]
     pub cache: Vec<u8>,
 }
 
@@ -264,7 +266,8 @@ pub struct RevealedRow {
     pub point: crate::trace::Point,
     /// Values in the row.
     pub cols: u32,
-    /// The row's canonical encoding (NUMERICS.md §5).
+    /// The row's canonical encoding (NUMERICS.md §5), as one block of bytes like `cache`.
+    #[serde(with = "serde_bytes")]
     pub encoding: Vec<u8>,
     /// The Merkle root of the product's rows.
     pub root: Commitment,
