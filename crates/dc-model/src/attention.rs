@@ -564,6 +564,11 @@ pub fn attend_committed_with(
             continue;
         }
         let (mut s, mut c) = (Encoded::default(), Encoded::default());
+        let bytes = |f: fn(&HeadExact) -> &Encoded| -> usize {
+            row.iter().flatten().map(|e| f(e).bytes.len()).sum()
+        };
+        s.bytes.reserve_exact(bytes(|e| &e.scores));
+        c.bytes.reserve_exact(bytes(|e| &e.context));
         for e in row.iter().flatten() {
             s.extend(&e.scores);
             c.extend(&e.context);
@@ -608,10 +613,10 @@ pub fn score_row_leaf(
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let group = heads / shape.kv_heads;
     let mut scratch = HeadScratch::default();
-    let mut row = Encoded::default();
+    // Each head appends its scores to the row's (the scores-only kernel writes no context).
+    let mut ex = HeadExact::default();
     let mut unused = vec![0f32; hd];
     for h in 0..heads {
-        let mut ex = HeadExact::default();
         let qh = &q[h * hd..(h + 1) * hd];
         head_attention(
             cache,
@@ -630,9 +635,8 @@ pub fn score_row_leaf(
             layer: layer.to_string(),
             detail,
         })?;
-        row.extend(&ex.scores);
     }
-    Ok(leaf_of_encoding(pos, row.len, &row.bytes))
+    Ok(leaf_of_encoding(pos, ex.scores.len, &ex.scores.bytes))
 }
 
 /// Widest head the fast kernel takes, in blocks (head_dim 256); wider heads use the reference.

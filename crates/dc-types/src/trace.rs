@@ -161,11 +161,18 @@ impl HopTrace {
         Domain::HopGemms.hash(&b)
     }
 
-    /// The commitment recorded for `(layer, point)`, if any.
+    /// The commitment recorded for `(layer, point)`, if any. A well-formed trace lists its
+    /// layers in order, so the layer's run is found by bisection (a check looks entries up by
+    /// the dozen in traces of hundreds); anything else falls back to a scan, so an entry that
+    /// is there is always found.
     pub fn get(&self, layer: u32, point: Point) -> Option<Commitment> {
-        self.entries
+        let matches = |e: &&Entry| e.layer == layer && e.point == point;
+        let at = self.entries.partition_point(|e| e.layer < layer);
+        self.entries[at..]
             .iter()
-            .find(|e| e.layer == layer && e.point == point)
+            .take_while(|e| e.layer == layer)
+            .find(matches)
+            .or_else(|| self.entries.iter().find(matches))
             .map(|e| e.commitment)
     }
 
@@ -224,4 +231,67 @@ pub fn expected_points(layers: crate::LayerRange, swiglu: bool) -> Vec<(u32, Poi
         .collect();
     v.push((layers.end - 1, Point::Output));
     v
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use super::*;
+
+    /// A well-formed trace of `layers`, entry `i` committing to `[i; 32]`.
+    fn trace(layers: crate::LayerRange) -> HopTrace {
+        HopTrace {
+            from: 0,
+            entries: expected_points(layers, true)
+                .into_iter()
+                .enumerate()
+                .map(|(i, (layer, point))| Entry {
+                    layer,
+                    point,
+                    commitment: Commitment([i as u8; 32]),
+                })
+                .collect(),
+        }
+    }
+
+    /// What `get` means: the first entry for `(layer, point)`.
+    fn scan(t: &HopTrace, layer: u32, point: Point) -> Option<Commitment> {
+        let e = t
+            .entries
+            .iter()
+            .find(|e| e.layer == layer && e.point == point);
+        e.map(|e| e.commitment)
+    }
+
+    #[test]
+    fn lookups_find_what_a_scan_finds() {
+        let layers = crate::LayerRange::new(3, 9).unwrap();
+        let mut t = trace(layers);
+        let points = [
+            Point::Input,
+            Point::Q,
+            Point::Down,
+            Point::Output,
+            Point::Fc,
+        ];
+        let check = |t: &HopTrace| {
+            for layer in 0..12 {
+                for p in points {
+                    assert_eq!(t.get(layer, p), scan(t, layer, p), "{layer} {p:?}");
+                }
+            }
+        };
+        check(&t);
+        assert!(t.get(3, Point::Input).is_some() && t.get(8, Point::Output).is_some());
+        assert_eq!(t.get(9, Point::Input), None);
+        // Out of order (ill-formed, refused on receipt, but looked up all the same): every
+        // entry is still found.
+        t.entries.reverse();
+        t.entries.swap(0, 30);
+        for e in &t.entries {
+            assert_eq!(t.get(e.layer, e.point), scan(&t, e.layer, e.point));
+        }
+        check(&t);
+    }
 }
