@@ -2,7 +2,10 @@
 # What verification costs end to end: a 5-daemon loopback swarm (a head over the first third of
 # the layers, two peers for each other third, so every remote hop has an auditor) generates with
 # verification off (audit and spot-check rates 0) and at the daemon's defaults, taking turns,
-# and prints wall time per token and the head's audit and spot-check counters.
+# and prints wall time per token, the CPU time all five daemons spent per token (generations 2
+# and 3: the first also builds the head's checkers), the ratio of that CPU time with
+# verification at the defaults to without (the extra compute the checks cost the swarm), and
+# the head's audit and spot-check counters.
 #
 #   scripts/bench-verify.sh [MODEL] [TOKENS] [ROUNDS]     (default: smollm2-135m 96 2)
 #   LAYERS=30 sets the model's layer count (default 30, SmolLM2-135M).
@@ -42,8 +45,18 @@ start() { # dir name layers extra...
     exit 1
 }
 
+cpu_ticks() { # user + system clock ticks so far of the head and of all daemons
+    local t=0 p
+    for p in "${daemons[@]}"; do
+        t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
+    done
+    echo "$(awk '{print $14 + $15}' "/proc/${daemons[0]}/stat") $t"
+}
+TICK=$(getconf CLK_TCK)
+cpu_off=
+
 swarm() { # off|defaults: one round of 3 generations with verification off or at the defaults
-    local mode=$1 dir
+    local mode=$1 dir c0 h0 h1 t0 t1
     local spot=() audit=()
     if [ "$mode" = off ]; then
         spot=(--spot-check-rate 0)
@@ -68,7 +81,19 @@ swarm() { # off|defaults: one round of 3 generations with verification off or at
             --json >/dev/null
         e=$(date +%s.%N)
         python3 -c "print('verification $mode, generation $seed: %.1f ms/token' % (($e - $s) * 1000 / $TOKENS))"
+        if [ "$seed" = 1 ]; then c0=$(cpu_ticks); fi
     done
+    local cpu
+    read -r h1 t1 <<<"$(cpu_ticks)"
+    read -r h0 t0 <<<"$c0"
+    cpu=$(python3 -c "print('%.2f' % (($t1 - $t0) * 1000 / $TICK / (2 * $TOKENS)))")
+    python3 -c "print('  CPU per token, generations 2 and 3: all daemons $cpu ms, the head %.2f ms' \
+        % (($h1 - $h0) * 1000 / $TICK / (2 * $TOKENS)))"
+    if [ "$mode" = off ]; then
+        cpu_off=$cpu
+    else
+        python3 -c "print('  defaults / off CPU: %.3f' % ($cpu / $cpu_off))"
+    fi
     curl -s "$api/status" | python3 -c "
 import json, sys
 a = json.load(sys.stdin)['audits']
