@@ -63,6 +63,7 @@ fn times_pow2(x: u64, e: i32) -> u64 {
     ((x << k) & P) | (x >> (61 - k))
 }
 
+#[cfg(test)]
 /// A signed 128-bit integer modulo p (`reduce` takes values below 2^125, so first fold the
 /// magnitude below `p · 2^64`).
 #[inline]
@@ -122,6 +123,10 @@ pub fn exact_mod(e: &Exact) -> u64 {
 pub struct FreivaldsKey {
     r: Vec<u64>,
     u: Vec<u64>,
+    /// `u` split as `u_lo + 2^32 · u_hi`, so that a block's `Σ q · u` is two i64 dot products
+    /// of int8s by u32s (vectorisable) instead of 32 i128 products.
+    u_lo: Vec<u32>,
+    u_hi: Vec<u32>,
 }
 
 impl FreivaldsKey {
@@ -148,7 +153,9 @@ impl FreivaldsKey {
                 }
             }
         }
-        FreivaldsKey { r, u }
+        let u_lo = u.iter().map(|&v| v as u32).collect();
+        let u_hi = u.iter().map(|&v| (v >> 32) as u32).collect();
+        FreivaldsKey { r, u, u_lo, u_hi }
     }
 
     /// Checks row `row` of `acc` (the claimed exact accumulators of `x · W`).
@@ -194,6 +201,26 @@ impl FreivaldsKey {
 
     /// `x_row · (W · r)`.
     fn input_side(&self, x: &QuantizedRows, row: usize) -> u64 {
+        let mut rhs = 0u64;
+        for b in 0..x.blocks() {
+            let s = x.scale(row, b);
+            let q = x.block(row, b);
+            let at = b * BLOCK..(b + 1) * BLOCK;
+            // `Σ q · u = Σ q · u_lo + 2^32 · Σ q · u_hi`, each half exact in an i64 (|q| <= 128
+            // and u_lo < 2^32, u_hi < 2^29: a block's 32 terms stay below 2^44).
+            let half =
+                |u: &[u32]| -> i64 { q.iter().zip(u).map(|(&q, &u)| q as i64 * u as i64).sum() };
+            let (lo, hi) = (half(&self.u_lo[at.clone()]), half(&self.u_hi[at]));
+            let dot = add(signed(lo), times_pow2(signed(hi), 32));
+            let scale = times_pow2(s.m as u64, s.e as i32);
+            rhs = add(rhs, mul(dot, scale));
+        }
+        rhs
+    }
+
+    /// The definition of [`Self::input_side`]: each block's `Σ q · u` in an i128.
+    #[cfg(test)]
+    fn input_side_by_definition(&self, x: &QuantizedRows, row: usize) -> u64 {
         let mut rhs = 0u64;
         for b in 0..x.blocks() {
             let s = x.scale(row, b);
@@ -286,5 +313,50 @@ mod tests {
         // -(5 + 2^64) / 8
         let want = mul(P - add(5, pow2(64)), pow2(-3));
         assert_eq!(exact_mod(&w), want);
+    }
+
+    #[test]
+    fn the_input_side_in_halves_is_its_definition() {
+        use crate::quant::BlockScale;
+        let mut rng = crate::rng::SplitMix64::new(5);
+        for case in 0..300 {
+            let (rows, blocks) = (1 + case % 3, 1 + case % 7);
+            let k = blocks * BLOCK;
+            // `u` below p, at its edges (0, the u32 boundary, p − 1) and at random.
+            let u: Vec<u64> = (0..k)
+                .map(|_| match rng.next_u64() % 6 {
+                    0 => P - 1,
+                    1 => [0, u32::MAX as u64, 1 << 32][(rng.next_u64() % 3) as usize],
+                    _ => rng.next_u64() % P,
+                })
+                .collect();
+            let key = FreivaldsKey {
+                r: vec![1],
+                u_lo: u.iter().map(|&v| v as u32).collect(),
+                u_hi: u.iter().map(|&v| (v >> 32) as u32).collect(),
+                u,
+            };
+            let q: Vec<i8> = (0..rows * k)
+                .map(|_| match rng.next_u64() % 4 {
+                    0 => [127, -127][(rng.next_u64() % 2) as usize],
+                    _ => (rng.next_u64() % 255) as i8,
+                })
+                .map(|v| if v == i8::MIN { -127 } else { v })
+                .collect();
+            let scales = (0..rows * blocks)
+                .map(|_| BlockScale {
+                    m: 128 | rng.next_u64() as u8,
+                    e: (rng.next_u64() % 300) as i16 - 150,
+                })
+                .collect();
+            let x = QuantizedRows::from_parts(rows, k, q, scales);
+            for row in 0..rows {
+                assert_eq!(
+                    key.input_side(&x, row),
+                    key.input_side_by_definition(&x, row),
+                    "case {case} row {row}"
+                );
+            }
+        }
     }
 }
