@@ -158,15 +158,17 @@ pub fn pick_auditor(node: &Node, layers: LayerRange, accused: &str, salt: &[u8])
     })
 }
 
-/// Everything the head kept about one route stage in one generation.
+/// Everything the head kept about one route stage in one generation. The inputs and traces
+/// are shared, not copied, when the log is cloned: every hop's spot check and audit takes the
+/// log so far, and copying it whole would make a generation's checks quadratic in its length.
 #[derive(Clone, Debug, Default)]
 pub struct StageLog {
     /// Inputs of each hop, in order.
-    pub inputs: Vec<Activations>,
+    pub inputs: Vec<Arc<Activations>>,
     /// The signed records.
     pub records: Vec<Signed<HopRecord>>,
     /// Their traces.
-    pub traces: Vec<HopTrace>,
+    pub traces: Vec<Arc<HopTrace>>,
 }
 
 /// A head's audits of one stage in one attempt: which peer audits it and how many positions
@@ -281,7 +283,10 @@ pub async fn audit(
             layers: seg.layers,
             from: last.start as u32,
             session: session.id,
-            hops: log.inputs[skip..].iter().map(crate::verify::wire).collect(),
+            hops: log.inputs[skip..]
+                .iter()
+                .map(|x| crate::verify::wire(x))
+                .collect(),
             cache: None,
         };
         theirs = if auditor == node.local {
@@ -335,7 +340,7 @@ async fn judge(
     auditor: &str,
     trace: HopTrace,
 ) -> bool {
-    let agreed = log.traces.last() == Some(&trace);
+    let agreed = log.traces.last().map(|t| &**t) == Some(&trace);
     node.audits
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -396,14 +401,14 @@ async fn audit_from_cache(
         }
     };
     let n = log.inputs.len() - 1;
-    let hops: Vec<(HopTrace, usize)> = log.traces[..n]
+    let hops: Vec<(Arc<HopTrace>, usize)> = log.traces[..n]
         .iter()
         .cloned()
         .zip(log.inputs[..n].iter().map(|x| x.rows()))
         .collect();
     let (cfg, layers) = (node.model_cfg.clone(), seg.layers);
     let checked = tokio::task::spawn_blocking(move || {
-        let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
+        let views: Vec<_> = hops.iter().map(|(t, n)| (&**t, *n)).collect();
         if rows.len() != layers.as_range().len() {
             return Err(format!("rows of {} layers for {layers}", rows.len()));
         }

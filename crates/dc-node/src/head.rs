@@ -215,18 +215,19 @@ impl Attempt {
         for i in 0..self.route.len() {
             let h = self.route[i].clone();
             let remote = h.peer != node.local;
-            self.logs[i].inputs.push(x.clone());
+            let input = Arc::new(x.clone());
+            self.logs[i].inputs.push(input.clone());
             if let Some(shadow) = self.shadows.as_ref().and_then(|s| s[i].clone()) {
-                self.shadow_logs[i].inputs.push(x.clone());
+                self.shadow_logs[i].inputs.push(input);
                 let (a, b) = tokio::join!(
                     hop_on(node, &h.peer, h.layers, self.g, step, &x),
                     hop_on(node, &shadow, h.layers, shadow_id(&self.g), step, &x)
                 );
                 let (a, b) = (a?, b?);
                 self.logs[i].records.push(a.record);
-                self.logs[i].traces.push(a.trace.clone());
+                self.logs[i].traces.push(Arc::new(a.trace.clone()));
                 self.shadow_logs[i].records.push(b.record);
-                self.shadow_logs[i].traces.push(b.trace.clone());
+                self.shadow_logs[i].traces.push(Arc::new(b.trace.clone()));
                 if a.trace.entries == b.trace.entries && a.output == b.output {
                     x = a.output;
                     continue;
@@ -249,7 +250,7 @@ impl Attempt {
             }
             let r = hop_on(node, &h.peer, h.layers, self.g, step, &x).await?;
             self.logs[i].records.push(r.record);
-            self.logs[i].traces.push(r.trace);
+            self.logs[i].traces.push(Arc::new(r.trace));
             if remote && should_audit(node, &self.g, step, i, self.rate) {
                 let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
                 let session = self.sessions[i].clone();

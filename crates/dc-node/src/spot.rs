@@ -240,12 +240,12 @@ fn tally(node: &Node, f: impl FnOnce(&mut SpotTally)) {
 fn check_all(
     model: &Model,
     checkers: &HashMap<usize, Arc<LayerChecker>>,
-    traces: &[(dc_types::HopTrace, usize)],
+    traces: &[(Arc<dc_types::HopTrace>, usize)],
     picks: &[RevealPick],
     reveals: &[dc_types::LayerReveal],
     mut held: Vec<LayerCache>,
 ) -> Result<Vec<(usize, LayerCache)>, String> {
-    let hops: Vec<_> = traces.iter().map(|(t, n)| (t, *n)).collect();
+    let hops: Vec<_> = traces.iter().map(|(t, n)| (&**t, *n)).collect();
     let mut jobs = Vec::with_capacity(picks.len());
     for ((pick, reveal), cache) in picks.iter().zip(reveals).zip(held.iter_mut()) {
         if (reveal.layer, reveal.position) != (pick.layer, pick.position) {

@@ -5,6 +5,8 @@
 //! Everything here is exact: honest computation gives the same commitments on every machine,
 //! so a difference is never noise, and a proof that checks out is a lie proven.
 
+use std::borrow::Borrow;
+
 use dc_kernels::{Commitment, Domain, Gemm};
 use dc_model::{Activations, Arch, KvCache, Model, ModelConfig};
 use dc_types::{
@@ -66,8 +68,8 @@ pub fn find_dispute(
     model: &Model,
     gemm: &Gemm,
     layers: LayerRange,
-    hops: &[Activations],
-    accused: &[HopTrace],
+    hops: &[impl Borrow<Activations>],
+    accused: &[impl Borrow<HopTrace>],
 ) -> Result<Option<Dispute>, String> {
     let cfg = &model.config;
     let mut caches: Vec<KvCache> = layers
@@ -76,6 +78,7 @@ pub fn find_dispute(
         .collect();
     let mut inputs: Vec<Vec<Activations>> = vec![Vec::new(); layers.len() as usize];
     for (k, hop) in hops.iter().enumerate() {
+        let hop: &Activations = hop.borrow();
         let mut honest = HopTrace::from_position(hop.start);
         let mut x = hop.clone();
         for (li, cache) in caches.iter_mut().enumerate() {
@@ -93,7 +96,7 @@ pub fn find_dispute(
             x.rows_from(hop.start).commitment(),
         );
         let Some(theirs) = accused.get(k) else { break };
-        if let Some(d) = honest.first_difference(theirs) {
+        if let Some(d) = honest.first_difference(theirs.borrow()) {
             let e = honest
                 .entries
                 .get(d)
@@ -121,7 +124,7 @@ pub fn build_proof(
     accused: &str,
     dispute: &Dispute,
     records: &[Signed<HopRecord>],
-    traces: &[HopTrace],
+    traces: &[impl Borrow<HopTrace>],
 ) -> FraudProof {
     FraudProof {
         model_id,
@@ -130,7 +133,10 @@ pub fn build_proof(
             layer: dispute.layer,
         },
         records: records[..=dispute.step].to_vec(),
-        traces: traces[..=dispute.step].to_vec(),
+        traces: traces[..=dispute.step]
+            .iter()
+            .map(|t| t.borrow().clone())
+            .collect(),
         layer_inputs: dispute.layer_inputs.iter().map(to_wire).collect(),
     }
 }
