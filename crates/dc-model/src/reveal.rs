@@ -379,7 +379,7 @@ pub fn gemms_per_layer(config: &crate::ModelConfig) -> usize {
 /// `GOAL_TOKENS · gemms_per_layer · layers` GEMMs are `N` (rounded up), and each corrupted GEMM
 /// is drawn with probability `c` on its own coin, so the liar escapes with `(1 − c)^N`; the
 /// rate is the least `c` with `(1 − c)^N ≤ GOAL_ESCAPE`, `1 − GOAL_ESCAPE^(1/N)`. A stage of
-/// fewer layers runs fewer GEMMs, so its share is fewer lies and it takes a higher rate (0.45
+/// fewer layers runs fewer GEMMs, so its share is fewer lies and it takes a higher rate (0.44
 /// for one Llama layer, 0.058 for ten, 0.018 for 32).
 pub fn goal_rate(config: &crate::ModelConfig, layers: usize) -> f64 {
     let gemms = GOAL_TOKENS * gemms_per_layer(config) * layers;
