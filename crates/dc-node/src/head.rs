@@ -224,11 +224,12 @@ impl Attempt {
                     hop_on(node, &shadow, h.layers, shadow_id(&self.g), step, &x)
                 );
                 let (a, b) = (a?, b?);
+                let (ta, tb) = (Arc::new(a.trace), Arc::new(b.trace));
                 self.logs[i].records.push(a.record);
-                self.logs[i].traces.push(Arc::new(a.trace.clone()));
+                self.logs[i].traces.push(ta.clone());
                 self.shadow_logs[i].records.push(b.record);
-                self.shadow_logs[i].traces.push(Arc::new(b.trace.clone()));
-                if a.trace.entries == b.trace.entries && a.output == b.output {
+                self.shadow_logs[i].traces.push(tb.clone());
+                if ta.entries == tb.entries && a.output == b.output {
                     x = a.output;
                     continue;
                 }
