@@ -143,21 +143,20 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         matches!(&answer, StageResponse::Hop(h) if matches!(**h, HopResponse::Done { .. })),
         "{answer:?}"
     );
-    let reveal = |step: u64, picks: Vec<(u32, u32)>| {
-        StageRequest::Reveal(RevealRequest {
-            generation,
-            step,
-            picks: picks
-                .into_iter()
-                .map(|(layer, position)| RevealPick {
-                    layer,
-                    position,
-                    cache_from: 0,
-                    checks: CheckSet(u16::MAX),
-                })
-                .collect(),
-        })
+    let reveal_of = |step: u64, picks: Vec<(u32, u32)>| RevealRequest {
+        generation,
+        step,
+        picks: picks
+            .into_iter()
+            .map(|(layer, position)| RevealPick {
+                layer,
+                position,
+                cache_from: 0,
+                checks: CheckSet(u16::MAX),
+            })
+            .collect(),
     };
+    let reveal = |step, picks| StageRequest::Reveal(reveal_of(step, picks));
     let revealed = |r: Result<StageResponse, dc_net::NetError>| match r {
         Ok(StageResponse::Reveal(r)) => r,
         other => panic!("expected a reveal answer, got {other:?}"),
@@ -181,6 +180,26 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         (0, vec![(1, 0); 257], "257 picks"),
     ] {
         let err = revealed(client.stage_request(victim, reveal(step, picks)).await).unwrap_err();
+        assert!(err.contains(why), "{err}");
+    }
+    // Several hops in one exchange: one answer per hop, in order, each as if asked alone.
+    let revealed_hops = |r: Result<StageResponse, dc_net::NetError>| match r {
+        Ok(StageResponse::RevealHops(r)) => r,
+        other => panic!("expected a several-hop reveal answer, got {other:?}"),
+    };
+    let both =
+        StageRequest::RevealHops(vec![reveal_of(0, vec![(1, 0)]), reveal_of(3, vec![(1, 0)])]);
+    let answers = revealed_hops(client.stage_request(victim, both).await).unwrap();
+    assert_eq!(answers.len(), 2);
+    assert_eq!(answers[0].as_ref(), Ok(&ok));
+    let err = answers[1].as_ref().unwrap_err();
+    assert!(
+        err.contains("step 3") && err.contains("is not kept here"),
+        "{err}"
+    );
+    for (n, why) in [(0, "0 hops"), (5, "5 hops: expected 1 to 4")] {
+        let many = StageRequest::RevealHops(vec![reveal_of(0, vec![(1, 0)]); n]);
+        let err = revealed_hops(client.stage_request(victim, many).await).unwrap_err();
         assert!(err.contains(why), "{err}");
     }
     // Cache rows from past the hop's first position cannot be revealed with it.

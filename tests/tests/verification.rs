@@ -279,6 +279,17 @@ fn honest_swarms_never_fail_an_audit() {
     );
     assert_eq!(failed, 0, "an honest swarm never fails an audit");
     assert!(spot_run > 20, "spot checks must actually run: {spot_run}");
+    // a draws every part of every hop: its checks of a stage's consecutive hops go in batches
+    // of up to four per reveal exchange (the last batch of a generation may be short).
+    let sa = &a.status()["audits"]["spot_checks"];
+    let (a_run, a_exchanges) = (
+        sa["run"].as_u64().unwrap(),
+        sa["exchanges"].as_u64().unwrap(),
+    );
+    assert!(
+        a_run <= 4 * a_exchanges && 2 * a_exchanges < a_run,
+        "a's checks: {sa}"
+    );
     // b draws parts at 0.3: its checks test some parts of a layer, not all ten, and recompute
     // the attention of only some layers.
     let bs = &b.status()["audits"]["spot_checks"];

@@ -525,10 +525,19 @@ impl LayerChecker {
                 "layer {l}: the revealed input is not the committed one"
             ));
         }
-        let next_commitment = trace
-            .get(l + 1, Point::Input)
-            .or_else(|| trace.get(l, Point::Output));
-        if needs.next && next_commitment != Some(next.commitment()) {
+        // Looked up only when needed, where it is (the hop's output after its last layer, the
+        // next layer's input otherwise) first: a lookup that misses scans the whole trace.
+        let next_commitment = || {
+            let (output, input) = (
+                || trace.get(l, Point::Output),
+                || trace.get(l + 1, Point::Input),
+            );
+            match trace.entries.last().is_some_and(|e| e.layer == l) {
+                true => output().or_else(input),
+                false => input().or_else(output),
+            }
+        };
+        if needs.next && next_commitment() != Some(next.commitment()) {
             return Err(format!(
                 "layer {l}: the revealed output is not the committed one"
             ));

@@ -110,7 +110,7 @@ impl AuditBook {
         let s = &self.spot;
         let spot = json!({"run": s.run, "passed": s.passed, "failed": s.failed,
             "unavailable": s.unavailable, "layers": s.layers, "parts": s.parts,
-            "attention": s.attention, "bytes": s.bytes});
+            "attention": s.attention, "bytes": s.bytes, "exchanges": s.exchanges});
         let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "from_cache": self.from_cache,
             "from_cache_bytes": self.from_cache_bytes, "per_peer": per, "spot_checks": spot});
         let excluded: Vec<Value> = self

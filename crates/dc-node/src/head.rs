@@ -200,6 +200,9 @@ struct Attempt {
     sessions: Vec<Arc<tokio::sync::Mutex<AuditSession>>>,
     /// Per route stage: the cache rows spot checks verified.
     known: Vec<spot::KnownCaches>,
+    /// Per route stage: its hops drawn for spot checks and not yet asked about (up to
+    /// [`spot::REVEAL_BATCH`] go in one exchange).
+    pending: Vec<Vec<spot::HopPicks>>,
     rate: f32,
     spot_rate: crate::SpotRate,
 }
@@ -273,10 +276,14 @@ impl Attempt {
                 false => Vec::new(),
             };
             if !picks.is_empty() {
-                let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
-                let (session, known) = (self.sessions[i].clone(), self.known[i].clone());
-                let check = spot::spot_check(node2, seg, log, self.g, step, picks, session, known);
-                self.audits.push(tokio::spawn(check));
+                self.pending[i].push(spot::HopPicks {
+                    log: self.logs[i].clone(),
+                    step,
+                    picks,
+                });
+                if self.pending[i].len() >= spot::REVEAL_BATCH {
+                    self.check_pending(node, i);
+                }
             }
             x = r.output;
         }
@@ -285,6 +292,24 @@ impl Attempt {
             return Err(Stop::Liar(l.peer.clone()));
         }
         Ok(x)
+    }
+
+    /// Starts the spot checks of route stage `i`'s hops drawn so far, in one reveal exchange.
+    fn check_pending(&mut self, node: &Arc<Node>, i: usize) {
+        let hops = std::mem::take(&mut self.pending[i]);
+        if hops.is_empty() {
+            return;
+        }
+        let (session, known) = (self.sessions[i].clone(), self.known[i].clone());
+        let check = spot::spot_check(
+            node.clone(),
+            self.route[i].clone(),
+            self.g,
+            hops,
+            session,
+            known,
+        );
+        self.audits.push(tokio::spawn(check));
     }
 
     /// Tells every stage and auditor the attempt is over (caches freed; they also expire when
@@ -454,10 +479,15 @@ async fn drive(
                 .map(|i| Arc::new(tokio::sync::Mutex::new(AuditSession::new(node, &g, i))))
                 .collect(),
             known: (0..route_len).map(|_| Default::default()).collect(),
+            pending: (0..route_len).map(|_| Vec::new()).collect(),
             rate,
             spot_rate,
         };
         let outcome = attempt(node, req, &mut at, tx, &mut delivered).await;
+        // The last hops' spot checks, fewer than a batch.
+        for i in 0..route_len {
+            at.check_pending(node, i);
+        }
         // Wait for this attempt's audits: a lie they prove still changes what the client gets.
         let pending = std::mem::take(&mut at.audits);
         let proven = tokio::time::timeout(AUDIT_WAIT, futures::future::join_all(pending)).await;

@@ -689,6 +689,9 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
                     StageRequest::Reveal(r) => {
                         StageResponse::Reveal(crate::stage::serve_reveal(node.clone(), r).await)
                     }
+                    StageRequest::RevealHops(r) => StageResponse::RevealHops(
+                        crate::stage::serve_reveal_hops(node.clone(), r).await,
+                    ),
                     StageRequest::CacheRows(r) => StageResponse::CacheRows(
                         crate::stage::serve_cache_rows(node.clone(), r).await,
                     ),

@@ -43,6 +43,8 @@ pub struct SpotTally {
     pub attention: u64,
     /// Bytes of revealed rows and activations received.
     pub bytes: u64,
+    /// Reveal exchanges with stages (each asks about up to [`REVEAL_BATCH`] hops).
+    pub exchanges: u64,
 }
 
 /// The head's private coins for one remote hop: for each layer of `layers`, each of the
@@ -93,72 +95,160 @@ pub fn picks(
 /// per layer: a check asks only for the rows after them.
 pub type KnownCaches = Arc<std::sync::Mutex<HashMap<usize, LayerCache>>>;
 
-/// Asks `seg.peer` to reveal `picks` of its last hop in `log` (step `step` of `g`) and checks
-/// them. Returns whether the stage was proven to lie (by the referee a failed check calls, or
-/// by the audit a refused reveal calls).
-#[allow(clippy::too_many_arguments)]
+/// Hops of one stage a head asks about in one reveal exchange (the stage keeps more).
+pub const REVEAL_BATCH: usize = dc_types::MAX_REVEAL_HOPS;
+
+/// One hop's draws, waiting to be revealed with the stage's next hops.
+#[derive(Clone, Debug)]
+pub struct HopPicks {
+    /// The stage's log of the generation up to and including the hop.
+    pub log: StageLog,
+    /// The hop's step.
+    pub step: u64,
+    /// What the head's coins drew of it.
+    pub picks: Vec<RevealPick>,
+}
+
+/// Asks `seg.peer` to reveal the picks of its hops in `hops` (consecutive hops of generation
+/// `g`, oldest first, each still kept by the stage) in one exchange, and checks them hop by
+/// hop. Returns whether the stage was proven to lie (by the referee a failed check calls, or by
+/// the audit a refused reveal of a one-row hop calls).
 pub async fn spot_check(
     node: Arc<Node>,
     seg: RouteHop,
-    log: StageLog,
     g: GenerationId,
-    step: u64,
-    mut picks: Vec<RevealPick>,
+    mut hops: Vec<HopPicks>,
     session: Arc<tokio::sync::Mutex<AuditSession>>,
     known: KnownCaches,
 ) -> bool {
+    hops.retain(|h| !h.picks.is_empty() && !h.log.inputs.is_empty());
+    let Ok(peer) = seg.peer.parse() else {
+        return false;
+    };
+    if hops.is_empty() {
+        return false;
+    }
+    // The verified cache rows of every layer a pick recomputes the attention of, taken out
+    // of `known` (moved, not copied) and given back, extended, at the end.
+    let mut held: HashMap<usize, LayerCache> = HashMap::new();
+    {
+        let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = &node.model_cfg;
+        let first = hops[0].log.inputs.last().map_or(0, |x| x.start);
+        for p in hops.iter().flat_map(|h| &h.picks) {
+            if p.checks.attention() {
+                held.entry(p.layer as usize).or_insert_with(|| {
+                    let mut c = k
+                        .remove(&(p.layer as usize))
+                        .unwrap_or_else(|| LayerCache::new(cfg.num_kv_heads, cfg.head_dim));
+                    // Rows a check of a later hop verified are no use here.
+                    c.truncate(first);
+                    c
+                });
+            }
+        }
+    }
+    // Only a check that recomputes the attention reads the cache: it asks for the rows after
+    // those verified before the batch, or after the end of the batch's last earlier hop that
+    // recomputes the same layer's attention (whose check comes first and extends the cache).
+    let mut verified_to: HashMap<usize, usize> = held.iter().map(|(l, c)| (*l, c.len())).collect();
+    for h in &mut hops {
+        let (start, end) = h
+            .log
+            .inputs
+            .last()
+            .map_or((0, 0), |x| (x.start, x.start + x.rows()));
+        for p in h.picks.iter_mut().filter(|p| p.checks.attention()) {
+            let to = verified_to.entry(p.layer as usize).or_default();
+            p.cache_from = (*to).min(start) as u32;
+            *to = end;
+        }
+    }
+    let mut requests: Vec<RevealRequest> = hops
+        .iter()
+        .map(|h| RevealRequest {
+            generation: g,
+            step: h.step,
+            picks: h.picks.clone(),
+        })
+        .collect();
+    let n = requests.len();
+    let request = match n {
+        1 => StageRequest::Reveal(requests.remove(0)),
+        _ => StageRequest::RevealHops(requests),
+    };
+    tally(&node, |t| t.exchanges += 1);
+    let answers = match node.client.stage_request(peer, request).await {
+        Ok(StageResponse::Reveal(r)) if n == 1 => vec![r],
+        Ok(StageResponse::RevealHops(Ok(r))) if r.len() == n => r,
+        Ok(StageResponse::RevealHops(Err(e))) => vec![Err(e); n],
+        Ok(_) => vec![Err("an unexpected or incomplete answer".to_string()); n],
+        Err(e) => vec![Err(e.to_string()); n],
+    };
+    let mut proven = false;
+    for (h, answer) in hops.into_iter().zip(answers) {
+        proven = check_hop(&node, &seg, h, answer, &session, &mut held).await;
+        if proven {
+            break;
+        }
+    }
+    let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
+    for (layer, cache) in held {
+        if k.get(&layer).is_none_or(|c| c.len() < cache.len()) {
+            k.insert(layer, cache);
+        }
+    }
+    proven
+}
+
+/// Checks one hop's reveal against its picks, extending `held` with the cache rows its
+/// attention checks verify. Returns whether the stage was proven to lie.
+async fn check_hop(
+    node: &Arc<Node>,
+    seg: &RouteHop,
+    h: HopPicks,
+    answer: Result<Vec<dc_types::LayerReveal>, String>,
+    session: &Arc<tokio::sync::Mutex<AuditSession>>,
+    held: &mut HashMap<usize, LayerCache>,
+) -> bool {
+    let HopPicks { log, step, picks } = h;
     let Some((rows, start)) = log.inputs.last().map(|x| (x.rows(), x.start)) else {
         return false;
     };
-    // What earlier checks verified, up to this hop (a check of a later hop may have finished
-    // first).
-    let held: Vec<LayerCache> = {
-        let k = known.lock().unwrap_or_else(|e| e.into_inner());
-        let cfg = &node.model_cfg;
-        picks
-            .iter_mut()
-            .map(|p| {
-                let empty = || LayerCache::new(cfg.num_kv_heads, cfg.head_dim);
-                // Only a check that recomputes the attention reads the cache.
-                if !p.checks.attention() {
-                    return empty();
-                }
-                let mut c = k.get(&(p.layer as usize)).cloned().unwrap_or_else(empty);
-                c.truncate(start);
-                p.cache_from = c.len() as u32;
-                c
-            })
-            .collect()
-    };
-    let request = StageRequest::Reveal(RevealRequest {
-        generation: g,
-        step,
-        picks: picks.clone(),
-    });
-    let answer = match seg.peer.parse() {
-        Ok(peer) => node.client.stage_request(peer, request).await,
-        Err(_) => return false,
-    };
     let reveals = match answer {
-        Ok(StageResponse::Reveal(Ok(r))) if r.len() == picks.len() => r,
+        Ok(r) if r.len() == picks.len() => r,
         other => {
             let why = match other {
-                Ok(StageResponse::Reveal(Err(e))) => e,
-                Ok(_) => "an unexpected or incomplete answer".into(),
-                Err(e) => e.to_string(),
+                Err(e) => e,
+                Ok(_) => "an incomplete answer".into(),
             };
-            tally(&node, |t| t.unavailable += 1);
+            tally(node, |t| t.unavailable += 1);
             if rows == 1 {
                 warn!(
                     "{} would not reveal a one-row hop ({why}): auditing it",
                     seg.peer
                 );
-                return audit(node, seg, log, session).await;
+                return audit(node.clone(), seg.clone(), log, session.clone()).await;
             }
             info!("{} did not reveal a {rows}-row hop: {why}", seg.peer);
             return false;
         }
     };
+    // A pick whose cache rows start past what is verified (an earlier hop of the batch went
+    // unchecked) cannot be checked: left out, with its reveal.
+    let (picks, reveals): (Vec<RevealPick>, Vec<dc_types::LayerReveal>) = picks
+        .into_iter()
+        .zip(reveals)
+        .filter(|(p, _)| {
+            !p.checks.attention()
+                || held
+                    .get(&(p.layer as usize))
+                    .is_some_and(|c| c.len().min(start) == p.cache_from as usize)
+        })
+        .unzip();
+    if picks.is_empty() {
+        return false;
+    }
     let bytes: usize = reveals
         .iter()
         .map(|r| {
@@ -173,40 +263,47 @@ pub async fn spot_check(
     let layers: Vec<usize> = picks.iter().map(|p| p.layer as usize).collect();
     let parts: u64 = picks.iter().map(|p| p.checks.len() as u64).sum();
     let attention = picks.iter().filter(|p| p.checks.attention()).count() as u64;
-    let (checkers, model) = match (checkers(&node, &layers).await, node.serving()) {
+    let (checkers, model) = match (checkers(node, &layers).await, node.serving()) {
         (Ok(c), Some(s)) => (c, s.model.clone()),
         (Err(e), _) => {
             warn!("cannot spot-check layers {}: {e}", seg.layers);
-            tally(&node, |t| t.unavailable += 1);
+            tally(node, |t| t.unavailable += 1);
             return false;
         }
         (_, None) => return false,
     };
-    // Every hop of the stage in this generation: the check ties the revealed cache rows to
-    // the commitments of the hops that produced them.
+    // Every hop of the stage in this generation up to this one: the check ties the revealed
+    // cache rows to the commitments of the hops that produced them.
     let traces: Vec<_> = log
         .traces
         .iter()
         .cloned()
         .zip(log.inputs.iter().map(|x| x.rows()))
         .collect();
+    // The attention picks' caches, truncated to this hop's start (moved, not copied).
+    let caches: Vec<LayerCache> = picks
+        .iter()
+        .map(|p| match p.checks.attention() {
+            true => {
+                let mut c = held.remove(&(p.layer as usize)).unwrap_or_else(|| {
+                    LayerCache::new(node.model_cfg.num_kv_heads, node.model_cfg.head_dim)
+                });
+                c.truncate(start);
+                c
+            }
+            false => LayerCache::new(node.model_cfg.num_kv_heads, node.model_cfg.head_dim),
+        })
+        .collect();
     let gemm = node.gemm.clone();
     let checked = tokio::task::spawn_blocking(move || {
         // On the engine's threads, like every other product this peer computes.
-        gemm.install(|| check_all(&model, &checkers, &traces, &picks, &reveals, held))
+        gemm.install(|| check_all(&model, &checkers, &traces, &picks, &reveals, caches))
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));
-    let checked = checked.map(|verified| {
-        let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
-        for (layer, cache) in verified {
-            if k.get(&layer).is_none_or(|c| c.len() < cache.len()) {
-                k.insert(layer, cache);
-            }
-        }
-    });
+    let checked = checked.map(|verified| held.extend(verified));
     let n = layers.len() as u64;
-    tally(&node, |t| {
+    tally(node, |t| {
         t.run += 1;
         t.layers += n;
         t.parts += parts;
@@ -219,13 +316,13 @@ pub async fn spot_check(
         }
     });
     match checked {
-        Ok(_) => false,
+        Ok(()) => false,
         Err(why) => {
             warn!(
                 "spot check of {} (layers {}, step {step}) failed: {why}; refereeing",
                 seg.peer, seg.layers
             );
-            referee(node, &seg.peer, seg.layers, &log).await
+            referee(node.clone(), &seg.peer, seg.layers, &log).await
         }
     }
 }

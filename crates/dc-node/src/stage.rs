@@ -11,7 +11,7 @@ use dc_model::{Activations, CacheLog, KeptHop, KvCache};
 use dc_types::{
     AuditRequest, CacheRows, CacheRowsRequest, GenerationId, HopErrorKind, HopRecord, HopRequest,
     HopResponse, HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations,
-    MAX_REVEAL_PICKS,
+    MAX_REVEAL_HOPS, MAX_REVEAL_PICKS,
 };
 
 use crate::node::Node;
@@ -19,9 +19,10 @@ use crate::node::Node;
 /// Most positions one hop may carry (bounds the compute one request can demand).
 pub const MAX_HOP_ROWS: usize = 2048;
 
-/// Hops kept per generation for reveals (a head asks right after a hop, so the last two
-/// suffice even when the next hop has already arrived).
-const KEPT_HOPS: usize = 2;
+/// Hops kept per generation for reveals: a head asks about up to [`MAX_REVEAL_HOPS`] of a
+/// stage's hops at once, right after the last of them, so one more suffices even when the next
+/// hop has already arrived.
+const KEPT_HOPS: usize = MAX_REVEAL_HOPS + 1;
 
 /// Bytes of kept hops this daemon holds at most, over all generations; a hop that does not fit
 /// is not kept (a reveal of it is refused, which a head only holds against a one-row hop).
@@ -392,6 +393,39 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
 
 /// Reveals rows of a hop this daemon served (a head's spot check): the hop must still be kept.
 pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<LayerReveal>, String> {
+    let limit = node.cfg.max_message_bytes / 2;
+    reveal_within(&node, req, limit).await.map(|(r, _)| r)
+}
+
+/// Reveals rows of several hops this daemon served, one answer per hop; together they stay
+/// within half the message limit (a hop that would take them past it is refused alone).
+pub async fn serve_reveal_hops(
+    node: Arc<Node>,
+    reqs: Vec<RevealRequest>,
+) -> Result<Vec<Result<Vec<LayerReveal>, String>>, String> {
+    if reqs.is_empty() || reqs.len() > MAX_REVEAL_HOPS {
+        return Err(format!(
+            "{} hops: expected 1 to {MAX_REVEAL_HOPS}",
+            reqs.len()
+        ));
+    }
+    let mut left = node.cfg.max_message_bytes / 2;
+    let mut out = Vec::with_capacity(reqs.len());
+    for req in reqs {
+        out.push(reveal_within(&node, req, left).await.map(|(r, bytes)| {
+            left -= bytes;
+            r
+        }));
+    }
+    Ok(out)
+}
+
+/// [`serve_reveal`] within `limit` bytes of rows and activations; also returns the bytes.
+async fn reveal_within(
+    node: &Arc<Node>,
+    req: RevealRequest,
+    limit: usize,
+) -> Result<(Vec<LayerReveal>, usize), String> {
     if req.picks.is_empty() || req.picks.len() > MAX_REVEAL_PICKS {
         return Err(format!(
             "{} picks: expected 1 to {MAX_REVEAL_PICKS}",
@@ -418,7 +452,6 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
                 req.step, req.generation
             )
         })?;
-    let limit = node.cfg.max_message_bytes / 2;
     tokio::task::spawn_blocking(move || {
         let reveals = req
             .picks
@@ -441,11 +474,11 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
             .sum();
         if bytes > limit {
             return Err(format!(
-                "the reveal would carry {bytes} bytes, over half the {} byte message limit",
-                limit * 2
+                "the reveal would carry {bytes} bytes, over the {limit} bytes left of half the \
+                 message limit"
             ));
         }
-        Ok(reveals)
+        Ok((reveals, bytes))
     })
     .await
     .map_err(|e| e.to_string())?

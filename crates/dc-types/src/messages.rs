@@ -179,6 +179,10 @@ pub enum StageRequest {
     /// Reveal this stage's KV cache rows of a generation (every layer it runs), for an audit
     /// that starts from them instead of replaying.
     CacheRows(CacheRowsRequest),
+    /// Reveal rows of several hops this stage served (at most [`MAX_REVEAL_HOPS`], each still
+    /// kept), one answer per hop in order: a head asks for its spot checks of a stage's
+    /// consecutive hops in one exchange rather than one per hop.
+    RevealHops(Vec<RevealRequest>),
 }
 
 /// The KV cache rows of positions `from..end` of every layer a stage runs for `generation`.
@@ -204,6 +208,10 @@ pub struct CacheRows {
 
 /// Most (layer, position) picks one reveal request may ask for.
 pub const MAX_REVEAL_PICKS: usize = 256;
+
+/// Most hops one [`StageRequest::RevealHops`] may ask about: a stage keeps its last this many
+/// hops of each generation for reveals.
+pub const MAX_REVEAL_HOPS: usize = 4;
 
 /// A spot check's request: for each pick, the rows at `position` of the products of `layer`
 /// in hop `step` of `generation` that the pick's checks need.
@@ -313,6 +321,9 @@ pub enum StageResponse {
     Reveal(Result<Vec<LayerReveal>, String>),
     /// The cache rows, one entry per layer, or why they cannot be revealed.
     CacheRows(Result<Vec<Vec<u8>>, String>),
+    /// Per hop asked about, in order, its revealed rows or why they cannot be; or why the
+    /// request as a whole is refused.
+    RevealHops(Result<Vec<Result<Vec<LayerReveal>, String>>, String>),
 }
 
 /// What makes a fraud proof.

@@ -181,7 +181,6 @@ pub fn tokenize(a: &TokenizeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prefill and decode rates of all layers with every product committed (median of 3).
 /// Prefill and decode rates of the stage path over every layer, plain and committing, taking
 /// turns hop by hop (two caches over the same positions) so the machine's drift hits both
 /// alike: `(plain, committed)` tokens per second for prefill, then for decode.
