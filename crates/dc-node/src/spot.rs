@@ -164,7 +164,7 @@ pub async fn spot_check(
             *to = end;
         }
     }
-    let mut requests: Vec<RevealRequest> = hops
+    let requests: Vec<RevealRequest> = hops
         .iter()
         .map(|h| RevealRequest {
             generation: g,
@@ -172,22 +172,23 @@ pub async fn spot_check(
             picks: h.picks.clone(),
         })
         .collect();
-    let n = requests.len();
-    let request = match n {
-        1 => StageRequest::Reveal(requests.remove(0)),
-        _ => StageRequest::RevealHops(requests),
-    };
-    tally(&node, |t| t.exchanges += 1);
-    let answers = match node.client.stage_request(peer, request).await {
-        Ok(StageResponse::Reveal(r)) if n == 1 => vec![r],
-        Ok(StageResponse::RevealHops(Ok(r))) if r.len() == n => r,
-        Ok(StageResponse::RevealHops(Err(e))) => vec![Err(e); n],
-        Ok(_) => vec![Err("an unexpected or incomplete answer".to_string()); n],
-        Err(e) => vec![Err(e.to_string()); n],
-    };
+    let answers = ask(&node, peer, requests).await;
     let mut proven = false;
     for (h, answer) in hops.into_iter().zip(answers) {
+        // Attention picks whose cache rows would start past what is verified (an earlier hop
+        // of the batch that recomputed the same layer went unrevealed or unchecked) are asked
+        // again, alone, from where the verified rows end.
+        let (h, answer, behind) = split_behind(h, answer, &held);
         proven = check_hop(&node, &seg, h, answer, &session, &mut held).await;
+        if let (false, Some(b)) = (proven, behind) {
+            let request = RevealRequest {
+                generation: g,
+                step: b.step,
+                picks: b.picks.clone(),
+            };
+            let answer = ask(&node, peer, vec![request]).await.remove(0);
+            proven = check_hop(&node, &seg, b, answer, &session, &mut held).await;
+        }
         if proven {
             break;
         }
@@ -199,6 +200,72 @@ pub async fn spot_check(
         }
     }
     proven
+}
+
+/// One reveal exchange with `peer` about `requests` (one hop each, at least one): one answer
+/// per request, in order.
+async fn ask(
+    node: &Arc<Node>,
+    peer: libp2p::PeerId,
+    mut requests: Vec<RevealRequest>,
+) -> Vec<Result<Vec<dc_types::LayerReveal>, String>> {
+    let n = requests.len();
+    let request = match n {
+        1 => StageRequest::Reveal(requests.remove(0)),
+        _ => StageRequest::RevealHops(requests),
+    };
+    tally(node, |t| t.exchanges += 1);
+    match node.client.stage_request(peer, request).await {
+        Ok(StageResponse::Reveal(r)) if n == 1 => vec![r],
+        Ok(StageResponse::RevealHops(Ok(r))) if r.len() == n => r,
+        Ok(StageResponse::RevealHops(Err(e))) => vec![Err(e); n],
+        Ok(_) => vec![Err("an unexpected or incomplete answer".to_string()); n],
+        Err(e) => vec![Err(e.to_string()); n],
+    }
+}
+
+/// Splits from a revealed hop the attention picks whose `cache_from` is past the rows `held`
+/// has verified (with their reveals, dropped): returned as a hop of their own, each asking
+/// from where the verified rows end.
+#[allow(clippy::type_complexity)]
+fn split_behind(
+    mut h: HopPicks,
+    answer: Result<Vec<dc_types::LayerReveal>, String>,
+    held: &HashMap<usize, LayerCache>,
+) -> (
+    HopPicks,
+    Result<Vec<dc_types::LayerReveal>, String>,
+    Option<HopPicks>,
+) {
+    let start = h.log.inputs.last().map_or(0, |x| x.start);
+    let verified = |p: &RevealPick| {
+        held.get(&(p.layer as usize))
+            .map_or(0, |c| c.len().min(start))
+    };
+    let reveals = match answer {
+        Ok(r) if r.len() == h.picks.len() => r,
+        other => return (h, other, None),
+    };
+    let (mut keep, mut kept, mut behind) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, r) in std::mem::take(&mut h.picks).into_iter().zip(reveals) {
+        match p.checks.attention() && (p.cache_from as usize) > verified(&p) {
+            true => behind.push(RevealPick {
+                cache_from: verified(&p) as u32,
+                ..p
+            }),
+            false => {
+                keep.push(p);
+                kept.push(r);
+            }
+        }
+    }
+    let retry = (!behind.is_empty()).then(|| HopPicks {
+        log: h.log.clone(),
+        step: h.step,
+        picks: behind,
+    });
+    h.picks = keep;
+    (h, Ok(kept), retry)
 }
 
 /// Checks one hop's reveal against its picks, extending `held` with the cache rows its
@@ -234,18 +301,6 @@ async fn check_hop(
             return false;
         }
     };
-    // A pick whose cache rows start past what is verified (an earlier hop of the batch went
-    // unchecked) cannot be checked: left out, with its reveal.
-    let (picks, reveals): (Vec<RevealPick>, Vec<dc_types::LayerReveal>) = picks
-        .into_iter()
-        .zip(reveals)
-        .filter(|(p, _)| {
-            !p.checks.attention()
-                || held
-                    .get(&(p.layer as usize))
-                    .is_some_and(|c| c.len().min(start) == p.cache_from as usize)
-        })
-        .unzip();
     if picks.is_empty() {
         return false;
     }
@@ -451,6 +506,80 @@ mod tests {
             assert!((100..105).contains(&p.position));
         }
         assert!(draw(1, 0, 0.0).is_empty());
+    }
+
+    #[test]
+    fn attention_picks_past_the_verified_rows_are_asked_again_from_where_they_end() {
+        // A hop at position 5; layer 3's verified rows end at 3 (the batch's earlier hop that
+        // recomputed it went unchecked), layer 4's at 5.
+        let log = StageLog {
+            inputs: vec![Arc::new(dc_model::Activations {
+                start: 5,
+                hidden: 2,
+                data: vec![0.5; 2],
+            })],
+            ..Default::default()
+        };
+        let cache = |rows: usize| {
+            let mut c = LayerCache::new(1, 32);
+            for _ in 0..rows {
+                c.append(&[0.25; 32], &[0.5; 32]).unwrap();
+            }
+            c
+        };
+        let held: HashMap<usize, LayerCache> = [(3, cache(3)), (4, cache(5))].into();
+        let pick = |layer: u32, cache_from: u32, parts: &[Point]| RevealPick {
+            layer,
+            position: 5,
+            cache_from,
+            checks: CheckSet::of(parts),
+        };
+        let picks = vec![
+            pick(2, 0, &[Point::Q]),
+            pick(3, 5, &[Point::Scores]),
+            pick(4, 5, &[Point::Context, Point::Down]),
+        ];
+        let reveal = |layer: u32| dc_types::LayerReveal {
+            layer,
+            position: 5,
+            input: dc_types::WireActivations {
+                start: 5,
+                hidden: 2,
+                data: Vec::new(),
+            },
+            next: dc_types::WireActivations {
+                start: 5,
+                hidden: 2,
+                data: Vec::new(),
+            },
+            rows: Vec::new(),
+            cache: Vec::new(),
+        };
+        let hop = HopPicks {
+            log: log.clone(),
+            step: 7,
+            picks: picks.clone(),
+        };
+        let answer = Ok(vec![reveal(2), reveal(3), reveal(4)]);
+        let (kept, answer, retry) = split_behind(hop.clone(), answer, &held);
+        assert_eq!(kept.picks, vec![picks[0], picks[2]]);
+        let layers: Vec<u32> = answer.unwrap().iter().map(|r| r.layer).collect();
+        assert_eq!(layers, vec![2, 4]);
+        let retry = retry.expect("layer 3 asked again");
+        assert_eq!(
+            (retry.step, retry.picks.clone()),
+            (7, vec![pick(3, 3, &[Point::Scores])])
+        );
+        // All caught up (or an answer that is no reveal): nothing to ask again.
+        let held: HashMap<usize, LayerCache> = [(3, cache(5)), (4, cache(5))].into();
+        let answer = Ok(vec![reveal(2), reveal(3), reveal(4)]);
+        let (kept, _, retry) = split_behind(hop.clone(), answer, &held);
+        assert_eq!((kept.picks, retry.is_none()), (picks.clone(), true));
+        let (kept, answer, retry) = split_behind(hop, Err("no".into()), &held);
+        assert_eq!(
+            (kept.picks, answer, retry.is_none()),
+            (picks, Err("no".into()), true)
+        );
     }
 
     #[test]
