@@ -3,7 +3,8 @@
 //! one row; the stage reveals the rows those parts need with their Merkle paths, and the head
 //! tests each drawn weight product by Freivalds' test, recomputes the attention when drawn and
 //! the glue between. Cheap for everyone: the stage sends what it kept, the head does O(k + n)
-//! work per product.
+//! work per product. The head asks about a stage's drawn hops [`REVEAL_BATCH`] at a time, in
+//! one exchange: on small models a request's libp2p work costs the head more than the checks.
 //!
 //! A failed check is not a proof; it sends the hop to the referee, who proves or clears it.
 //! A stage that will not reveal a one-row hop (which an honest stage always keeps) gets a full
