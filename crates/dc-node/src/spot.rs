@@ -110,6 +110,17 @@ pub struct HopPicks {
     pub picks: Vec<RevealPick>,
 }
 
+impl HopPicks {
+    /// The request revealing this hop's picks of generation `g`.
+    fn request(&self, g: GenerationId) -> RevealRequest {
+        RevealRequest {
+            generation: g,
+            step: self.step,
+            picks: self.picks.clone(),
+        }
+    }
+}
+
 /// Asks `seg.peer` to reveal the picks of its hops in `hops` (consecutive hops of generation
 /// `g`, oldest first, each still kept by the stage) in one exchange, and checks them hop by
 /// hop. Returns whether the stage was proven to lie (by the referee a failed check calls, or by
@@ -165,14 +176,7 @@ pub async fn spot_check(
             *to = end;
         }
     }
-    let requests: Vec<RevealRequest> = hops
-        .iter()
-        .map(|h| RevealRequest {
-            generation: g,
-            step: h.step,
-            picks: h.picks.clone(),
-        })
-        .collect();
+    let requests: Vec<RevealRequest> = hops.iter().map(|h| h.request(g)).collect();
     let answers = ask(&node, peer, requests).await;
     let mut proven = false;
     for (h, answer) in hops.into_iter().zip(answers) {
@@ -182,12 +186,7 @@ pub async fn spot_check(
         let (h, answer, behind) = split_behind(h, answer, &held);
         proven = check_hop(&node, &seg, h, answer, &session, &mut held).await;
         if let (false, Some(b)) = (proven, behind) {
-            let request = RevealRequest {
-                generation: g,
-                step: b.step,
-                picks: b.picks.clone(),
-            };
-            let answer = ask(&node, peer, vec![request]).await.remove(0);
+            let answer = ask(&node, peer, vec![b.request(g)]).await.remove(0);
             proven = check_hop(&node, &seg, b, answer, &session, &mut held).await;
         }
         if proven {
@@ -307,14 +306,7 @@ async fn check_hop(
     }
     let bytes: usize = reveals
         .iter()
-        .map(|r| {
-            (r.input.data.len() + r.next.data.len()) * 4
-                + r.cache.len()
-                + r.rows
-                    .iter()
-                    .map(|x| x.encoding.len() + 32 * (x.path.len() + 1))
-                    .sum::<usize>()
-        })
+        .map(dc_types::LayerReveal::payload_bytes)
         .sum();
     let layers: Vec<usize> = picks.iter().map(|p| p.layer as usize).collect();
     let parts: u64 = picks.iter().map(|p| p.checks.len() as u64).sum();

@@ -461,17 +461,7 @@ async fn reveal_within(
                 kept.reveal(layer, position, p.checks, p.cache_from as usize, &log)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let bytes: usize = reveals
-            .iter()
-            .map(|r| {
-                r.cache.len()
-                    + (r.input.data.len() + r.next.data.len()) * 4
-                    + r.rows
-                        .iter()
-                        .map(|x| x.encoding.len() + 32 * (x.path.len() + 1))
-                        .sum::<usize>()
-            })
-            .sum();
+        let bytes: usize = reveals.iter().map(LayerReveal::payload_bytes).sum();
         if bytes > limit {
             return Err(format!(
                 "the reveal would carry {bytes} bytes, over the {limit} bytes left of half the \

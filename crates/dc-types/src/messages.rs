@@ -267,6 +267,20 @@ pub struct LayerReveal {
     pub cache: Vec<u8>,
 }
 
+impl LayerReveal {
+    /// Bytes of what it carries: activations, cache rows, row encodings and Merkle hashes (the
+    /// measure a stage's reveal limit and a head's byte count use).
+    pub fn payload_bytes(&self) -> usize {
+        (self.input.data.len() + self.next.data.len()) * 4
+            + self.cache.len()
+            + self
+                .rows
+                .iter()
+                .map(|x| x.encoding.len() + 32 * (x.path.len() + 1))
+                .sum::<usize>()
+    }
+}
+
 /// One row of one committed product.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RevealedRow {
