@@ -219,10 +219,12 @@ impl LayerCache {
         }
         let n = bytes.len() / rb;
         let hb = c.hb;
-        c.k_q.reserve_exact(n * kv_heads * hb * BLOCK);
-        c.k_s.reserve_exact(n * kv_heads * hb);
-        c.v_q.reserve_exact(n * kv_heads * head_dim);
-        c.v_e.reserve_exact(n * kv_heads);
+        // Amortised growth, not `reserve_exact`: a checker extends its verified cache by a
+        // few rows per check, and an exact reservation would copy the whole cache each time.
+        c.k_q.reserve(n * kv_heads * hb * BLOCK);
+        c.k_s.reserve(n * kv_heads * hb);
+        c.v_q.reserve(n * kv_heads * head_dim);
+        c.v_e.reserve(n * kv_heads);
         let first = c.len;
         let bad = |what: &str, pos: usize| {
             ModelError::Input(format!(
@@ -613,8 +615,11 @@ pub fn score_row_leaf(
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let group = heads / shape.kv_heads;
     let mut scratch = HeadScratch::default();
-    // Each head appends its scores to the row's (the scores-only kernel writes no context).
+    // Each head appends its scores to the row's (the scores-only kernel writes no context);
+    // room for all of them at once, or each head's own reservation would copy the row so far.
     let mut ex = HeadExact::default();
+    let keys = shape.window.map_or(pos + 1, |w| w.min(pos + 1));
+    ex.scores.reserve_exact(heads * keys);
     let mut unused = vec![0f32; hd];
     for h in 0..heads {
         let qh = &q[h * hd..(h + 1) * hd];
