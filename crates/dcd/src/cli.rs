@@ -137,8 +137,8 @@ pub struct JoinArgs {
     /// stage reveals the rows the drawn parts need at one position, weight products are
     /// checked by Freivalds' test, the attention recomputed (0 to 1; 1 tests everything; auto:
     /// per stage, the least rate at which a stage corrupting 1 % of its GEMMs in a 256-token
-    /// generation escapes with probability at most 10⁻⁶, 0.058 for a 10-layer stage)
-    /// [default: auto].
+    /// generation's decode hops escapes with probability at most 10⁻⁶, 0.058 for a 10-layer
+    /// stage; a prefill chunk is tested at one row) [default: auto].
     #[arg(long, value_name = "RATE|auto")]
     pub spot_check_rate: Option<dc_node::SpotRate>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
