@@ -151,6 +151,7 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
             .map(|(layer, position)| RevealPick {
                 layer,
                 position,
+                positions: 1,
                 cache_from: 0,
                 checks: CheckSet(u16::MAX),
             })
@@ -201,6 +202,16 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         let many = StageRequest::RevealHops(vec![reveal_of(0, vec![(1, 0)]); n]);
         let err = revealed_hops(client.stage_request(victim, many).await).unwrap_err();
         assert!(err.contains(why), "{err}");
+    }
+    // Rows past the hop's (it has one), none, or more than any hop holds: refused by name.
+    for positions in [0, 2, u32::MAX] {
+        let mut wide = reveal(0, vec![(1, 0)]);
+        if let StageRequest::Reveal(r) = &mut wide {
+            r.picks[0].positions = positions;
+        }
+        let err = revealed(client.stage_request(victim, wide).await).unwrap_err();
+        let why = format!("{positions} positions from 0 are not rows of this hop");
+        assert!(err.contains(&why), "{err}");
     }
     // Cache rows from past the hop's first position cannot be revealed with it.
     let mut past = reveal(0, vec![(1, 0)]);

@@ -125,6 +125,22 @@ fn spot_checks_alone_catch_every_kind_of_lie() {
 }
 
 #[test]
+fn a_lie_in_one_prompt_row_is_caught_by_spot_checks_alone() {
+    // The liar flips one bit of the last row of its prefill hop's output, keeping and revealing
+    // it as signed, and serves every decode hop honestly: only a check that recomputes that
+    // row sees it, and a prefill hop's drawn parts are checked at every row (a check of one
+    // random row would miss it eight times in nine).
+    let model = fixtures().join("qwen2");
+    let extra = ["--audit-rate", "0", "--spot-check-rate", "1"];
+    let audits = lie_is_caught(&model, &extra, "prompt");
+    assert!(
+        audits["spot_checks"]["failed"].as_u64().unwrap() >= 1,
+        "{audits}"
+    );
+    assert_eq!(audits["run"], 0, "no replay audit ran: {audits}");
+}
+
+#[test]
 fn a_liar_that_reveals_nothing_is_audited_by_replay() {
     // Spot checks only, and the liar refuses every reveal and cache-row request: a refused
     // one-row reveal makes the head audit the hop, and with no cache rows the audit replays.

@@ -204,6 +204,12 @@ fn wire(a: &Activations) -> WireActivations {
 }
 
 impl KeptHop {
+    /// Replaces the output the hop keeps for reveals (a test-only liar that keeps its lie
+    /// consistent with what it signed, so only a recomputation of the lying row shows it).
+    pub fn set_output(&mut self, y: Activations) {
+        self.output = Some(y);
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         let acts = |a: &Activations| a.data.len() * 4;
@@ -227,6 +233,21 @@ impl KeptHop {
         cache_from: usize,
         log: &CacheLog,
     ) -> std::result::Result<LayerReveal, String> {
+        self.reveal_rows(layer, position, 1, checks, cache_from, log)
+    }
+
+    /// [`Self::reveal`] at the `positions` consecutive rows from `position` (a check of every
+    /// row of a prefill hop): the products' rows position by position, each position's in
+    /// computation order; the activations and cache rows once.
+    pub fn reveal_rows(
+        &self,
+        layer: usize,
+        position: usize,
+        positions: usize,
+        checks: CheckSet,
+        cache_from: usize,
+        log: &CacheLog,
+    ) -> std::result::Result<LayerReveal, String> {
         let i = self
             .layers
             .iter()
@@ -238,23 +259,30 @@ impl KeptHop {
             .checked_sub(first)
             .filter(|&r| r < l.input.rows())
             .ok_or_else(|| format!("position {position} is not in this hop"))?;
+        if positions == 0 || positions > l.input.rows() - index {
+            return Err(format!(
+                "{positions} positions from {position} are not rows of this hop"
+            ));
+        }
         let next = match self.layers.get(i + 1) {
             Some(n) => &n.input,
             None => self.output.as_ref().ok_or("the hop did not finish")?,
         };
         let needs = rows_needed(checks);
-        let rows = l
-            .products
-            .iter()
-            .filter(|(p, _)| needs.rows.contains(*p))
-            .map(|(p, k)| {
-                k.reveal(
-                    *p,
-                    first,
-                    index,
-                    *p == Point::Context && needs.context_values,
-                )
-                .ok_or("a kept product is short")
+        let rows = (index..index + positions)
+            .flat_map(|index| {
+                l.products
+                    .iter()
+                    .filter(|(p, _)| needs.rows.contains(*p))
+                    .map(move |(p, k)| {
+                        k.reveal(
+                            *p,
+                            first,
+                            index,
+                            *p == Point::Context && needs.context_values,
+                        )
+                        .ok_or("a kept product is short")
+                    })
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let end = first + l.input.rows();
@@ -486,8 +514,24 @@ impl LayerChecker {
         reveal: &LayerReveal,
         checks: CheckSet,
     ) -> std::result::Result<(), String> {
+        self.check_rows_in_place(model, hops, cache, reveal, checks, 1)
+    }
+
+    /// [`Self::check_in_place`] of a reveal of the `positions` consecutive rows from
+    /// `reveal.position` ([`KeptHop::reveal_rows`]; `positions` is what the checker asked for,
+    /// not what the stage says): every row checked as a reveal of it alone would be, in order,
+    /// the attention of each against the cache rows verified before it.
+    pub fn check_rows_in_place(
+        &self,
+        model: &Model,
+        hops: &[(&HopTrace, usize)],
+        cache: &mut LayerCache,
+        reveal: &LayerReveal,
+        checks: CheckSet,
+        positions: usize,
+    ) -> std::result::Result<(), String> {
         let held = cache.len();
-        let checked = self.check_extending(model, hops, cache, reveal, checks);
+        let checked = self.check_extending(model, hops, cache, reveal, checks, positions);
         if checked.is_err() {
             cache.truncate(held);
         }
@@ -501,6 +545,7 @@ impl LayerChecker {
         cache: &mut LayerCache,
         reveal: &LayerReveal,
         checks: CheckSet,
+        positions: usize,
     ) -> std::result::Result<(), String> {
         let cfg = &model.config;
         let (l, pos) = (self.layer as u32, reveal.position as usize);
@@ -509,14 +554,18 @@ impl LayerChecker {
             return Err("nothing to check".into());
         }
         let needs = rows_needed(checks);
-        let (needed, context_values) = (needs.rows, needs.context_values);
         if reveal.layer != l {
             return Err(format!("layer {} revealed for layer {l}", reveal.layer));
         }
-        let index = pos
-            .checked_sub(trace.from)
-            .filter(|&i| i < rows)
-            .ok_or_else(|| format!("position {pos} is not a row of the hop"))?;
+        pos.checked_sub(trace.from)
+            .filter(|&i| i < rows && positions >= 1 && positions <= rows - i)
+            .ok_or_else(|| format!("{positions} positions from {pos} are not rows of the hop"))?;
+        if !reveal.rows.len().is_multiple_of(positions) {
+            return Err(format!(
+                "layer {l}: {} rows revealed for {positions} positions",
+                reveal.rows.len()
+            ));
+        }
         let h = cfg.hidden_size;
         let input = hop_rows(&reveal.input, trace.from, rows, h, needs.input)?;
         let next = hop_rows(&reveal.next, trace.from, rows, h, needs.next)?;
@@ -543,15 +592,68 @@ impl LayerChecker {
             ));
         }
         let known = cache.len();
-        let cache_row = match checks.attention() {
-            true => self.cache_rows(cfg, hops, cache, reveal)?,
-            false if reveal.cache.is_empty() => &[],
-            false => {
-                return Err(format!(
-                    "layer {l}: cache rows revealed that were not asked for"
-                ))
-            }
+        if checks.attention() {
+            // Every revealed cache row checked against its hop's commitment, and the cache
+            // extended to the first checked position.
+            self.cache_rows(cfg, hops, cache, reveal)?;
+        } else if !reveal.cache.is_empty() {
+            return Err(format!(
+                "layer {l}: cache rows revealed that were not asked for"
+            ));
+        }
+        let rb = cache.row_bytes();
+        let per = reveal.rows.len() / positions;
+        let hop = HopRows {
+            trace,
+            rows,
+            input: &input,
+            next: &next,
         };
+        for (i, product_rows) in reveal.rows.chunks(per.max(1)).enumerate() {
+            let at = pos + i;
+            // The cache holds 0..at: the rows before the first position from the reveal, each
+            // later one appended (and compared with the revealed row) by the row before it.
+            let cache_row = match checks.attention() {
+                true => &reveal.cache[(at - known) * rb..(at - known + 1) * rb],
+                false => &[][..],
+            };
+            self.check_row(model, hop, cache, cache_row, product_rows, at, checks)?;
+        }
+        if !checks.attention() {
+            return Ok(());
+        }
+        // The cache now holds 0..pos + positions; the hop's later rows were verified above.
+        let end = trace.from + rows;
+        let later = (pos + positions - known) * rb..(end - known) * rb;
+        cache
+            .extend_encoded(&reveal.cache[later])
+            .map_err(|e| format!("layer {l}: {e}"))
+    }
+
+    /// Checks the revealed `rows` of one position `pos` of `hop` (the cache holding `0..pos`
+    /// and, when the attention is recomputed, `cache_row` the revealed row of `pos`).
+    #[allow(clippy::too_many_arguments)]
+    fn check_row(
+        &self,
+        model: &Model,
+        hop: HopRows<'_>,
+        cache: &mut LayerCache,
+        cache_row: &[u8],
+        product_rows: &[RevealedRow],
+        pos: usize,
+        checks: CheckSet,
+    ) -> std::result::Result<(), String> {
+        let cfg = &model.config;
+        let l = self.layer as u32;
+        let HopRows {
+            trace,
+            rows,
+            input,
+            next,
+        } = hop;
+        let index = pos - trace.from;
+        let needs = rows_needed(checks);
+        let (needed, context_values) = (needs.rows, needs.context_values);
         // Every product the checks need, once, opened against its commitment; the attention
         // products' rows are recomputed, so only their openings are taken here (but for the
         // context's values when they are the output projection's input).
@@ -570,7 +672,7 @@ impl LayerChecker {
                     format!("layer {l}: the trace commits a {p:?} product this layer lacks")
                 })?,
             };
-            let mut found = reveal.rows.iter().filter(|r| r.point == e.point);
+            let mut found = product_rows.iter().filter(|r| r.point == e.point);
             let (Some(row), None) = (found.next(), found.next()) else {
                 return Err(format!(
                     "layer {l}: not exactly one {:?} row revealed",
@@ -634,7 +736,7 @@ impl LayerChecker {
                 "layer {l}: the trace or the reveal lacks a row the check needs"
             ));
         }
-        if reveal.rows.len() != values.len() + attention.len()
+        if product_rows.len() != values.len() + attention.len()
             || attention.len()
                 != checks.attention() as usize + checks.contains(Point::Context) as usize
         {
@@ -653,7 +755,6 @@ impl LayerChecker {
             mlp_norm: &self.mlp_norm,
             gelu: self.gelu,
         };
-        let end = trace.from + rows;
         let mut revealed = Revealed {
             checker: self,
             checks,
@@ -693,15 +794,7 @@ impl LayerChecker {
                 "layer {l}: the output at position {pos} is not what the revealed products give"
             ));
         }
-        if !checks.attention() {
-            return Ok(());
-        }
-        // The cache now holds 0..=pos; the hop's later rows were verified above.
-        let rb = cache.row_bytes();
-        let later = (pos + 1 - known) * rb..(end - known) * rb;
-        cache
-            .extend_encoded(&reveal.cache[later])
-            .map_err(|e| format!("layer {l}: {e}"))
+        Ok(())
     }
 
     /// Checks the revealed cache rows against every hop's `KvCache` commitment, extends
@@ -736,13 +829,24 @@ impl LayerChecker {
     }
 }
 
+/// The hop a check's rows belong to: its signed trace, its number of rows, and the revealed
+/// activations entering and leaving the checked layer (every row, verified once).
+#[derive(Clone, Copy)]
+struct HopRows<'a> {
+    trace: &'a HopTrace,
+    rows: usize,
+    input: &'a Activations,
+    next: &'a Activations,
+}
+
 /// One pick of a hop to check: the layer's checker, what the stage revealed, the parts drawn,
-/// and the layer's verified cache rows (extended in place when the check recomputes the
-/// attention).
+/// the number of positions asked for (from the reveal's), and the layer's verified cache rows
+/// (extended in place when the check recomputes the attention).
 pub type Pick<'a> = (
     &'a LayerChecker,
     &'a LayerReveal,
     CheckSet,
+    usize,
     &'a mut LayerCache,
 );
 
@@ -755,8 +859,9 @@ pub fn check_picks(
     picks: Vec<Pick<'_>>,
 ) -> Vec<std::result::Result<(), String>> {
     use rayon::prelude::*;
-    let one =
-        |(c, reveal, checks, cache): Pick<'_>| c.check_in_place(model, hops, cache, reveal, checks);
+    let one = |(c, reveal, checks, positions, cache): Pick<'_>| {
+        c.check_rows_in_place(model, hops, cache, reveal, checks, positions)
+    };
     match rayon::current_thread_index() {
         Some(_) => picks.into_par_iter().map(one).collect(),
         None => picks.into_iter().map(one).collect(),

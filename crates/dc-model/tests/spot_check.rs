@@ -732,3 +732,94 @@ fn the_goal_rate_is_the_least_that_meets_the_goal() {
         assert!((c - rate).abs() < 1e-5, "{layers} layers: {c}");
     }
 }
+
+#[test]
+fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
+    use dc_kernels::commit::{merkle_proof, merkle_root};
+    for name in TINY {
+        let (model, gemm, ids) = fixture(name, 1);
+        let n = model.config.num_layers;
+        // One 9-row prefill hop.
+        let (hops, log) = stage_hops(&model, &gemm, 0..n, &ids, &[9]);
+        let (trace, rows, kept) = &hops[0];
+        let (rows, from) = (*rows, trace.from);
+        let c = &checkers(&model, 0..n, 5)[n - 1];
+        let view = views(&hops, 0);
+        let all = |checks| {
+            kept.reveal_rows(c.layer(), from, rows, checks, 0, &log)
+                .unwrap()
+        };
+        // Honest: every row passes, and the verified cache is the stage's to the end of the hop.
+        let mut cache = empty(&model);
+        c.check_rows_in_place(
+            &model,
+            &view,
+            &mut cache,
+            &all(every(&model)),
+            every(&model),
+            rows,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            cache.encode_rows(0..cache.len()),
+            log.rows(c.layer(), rows).unwrap()
+        );
+        // A reveal of fewer rows than asked for is refused, and the cache left as it was.
+        let one = kept
+            .reveal(c.layer(), from, every(&model), 0, &log)
+            .unwrap();
+        let mut cache = empty(&model);
+        let err = c
+            .check_rows_in_place(&model, &view, &mut cache, &one, every(&model), rows)
+            .unwrap_err();
+        assert!(cache.is_empty(), "{name}: {err}");
+        // A lie in the down projection of the hop's last row alone, committed consistently (a
+        // new Merkle root over the hop's rows).
+        let checks = CheckSet::of(&[Point::Down]);
+        let mut r = all(checks);
+        let per = r.rows.len() / rows;
+        let at = |r: &LayerReveal, i: usize| {
+            (i * per..(i + 1) * per)
+                .find(|&k| r.rows[k].point == Point::Down)
+                .unwrap()
+        };
+        let bad = at(&r, rows - 1);
+        let cols = r.rows[bad].cols as usize;
+        let mut values = decode_row(&r.rows[bad].encoding, cols).unwrap();
+        let i = values.iter().position(|v| !v.is_zero()).unwrap();
+        if let Exact::Small { mant, exp } = values[i] {
+            values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
+        }
+        r.rows[bad].encoding = values_encoding(&values);
+        let leaves: Vec<_> = (0..rows)
+            .map(|i| leaf_of_encoding(from + i, cols, &r.rows[at(&r, i)].encoding))
+            .collect();
+        let root = merkle_root(&leaves);
+        for i in 0..rows {
+            let k = at(&r, i);
+            r.rows[k].root = root;
+            r.rows[k].path = merkle_proof(&leaves, i);
+        }
+        let mut t = trace.clone();
+        set(
+            &mut t,
+            c.layer(),
+            Point::Down,
+            gemm_commitment(rows, cols, &root),
+        );
+        let v = vec![(&t, rows)];
+        // A check of one other row (what a prefill hop got before) passes...
+        let first_only = LayerReveal {
+            rows: r.rows[..per].to_vec(),
+            ..r.clone()
+        };
+        c.check(&model, &v, &empty(&model), &first_only, checks)
+            .unwrap_or_else(|e| panic!("{name}: the first row alone: {e}"));
+        // ... and the check of every row catches the lie.
+        let mut cache = empty(&model);
+        let err = c
+            .check_rows_in_place(&model, &v, &mut cache, &r, checks, rows)
+            .unwrap_err();
+        assert!(err.contains("Freivalds"), "{name}: {err}");
+    }
+}

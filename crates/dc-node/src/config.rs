@@ -22,9 +22,9 @@ pub enum LayerChoice {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SpotRate {
     /// Each stage at the rate that meets the detection goal for its layer count
-    /// (`dc_model::goal_rate`): a stage corrupting 1 % of its GEMMs in a 256-token generation's
-    /// decode hops escapes with probability at most 10⁻⁶, however many layers it serves (a
-    /// prefill chunk is tested at one row: docs/VERIFICATION.md, "Prompts").
+    /// (`dc_model::goal_rate`): a stage corrupting 1 % of its GEMMs in a 256-token generation
+    /// escapes with probability at most 10⁻⁶, however many layers it serves (a prefill chunk's
+    /// drawn parts are tested at every row).
     Goal,
     /// Every part of every stage with this probability (0 to 1).
     Fixed(f32),

@@ -3,6 +3,9 @@
 //! only way to catch it is an audit.
 //!
 //! - `flip-bit`: one bit of one output value.
+//! - `prompt`: one bit of one output value of the last row of a prefill hop (a hop of more
+//!   than one row), kept and revealed as signed; every one-row hop honest. Only a check that
+//!   recomputes that row's output sees it.
 //! - `skip-layer`: the last layer of the hop is not run (its commitments are made up).
 //! - `other-weights`: the products are computed on other values than the committed input, as a
 //!   stage with other weights would.
@@ -29,6 +32,8 @@ use crate::node::Node;
 pub enum FaultKind {
     /// Flip one bit of one output.
     FlipBit,
+    /// Flip one bit of the last row's output of a prefill hop.
+    Prompt,
     /// Skip the last layer.
     SkipLayer,
     /// Compute with other weights.
@@ -57,6 +62,7 @@ impl std::str::FromStr for Fault {
         let (k, f) = s.split_once(':').unwrap_or((s, "1"));
         let kind = match k {
             "flip-bit" => FaultKind::FlipBit,
+            "prompt" => FaultKind::Prompt,
             "skip-layer" => FaultKind::SkipLayer,
             "other-weights" => FaultKind::OtherWeights,
             "stale" => FaultKind::Stale,
@@ -64,8 +70,8 @@ impl std::str::FromStr for Fault {
             "hide" => FaultKind::Hide,
             _ => {
                 return Err(format!(
-                    "fault {k:?}: expected flip-bit, skip-layer, other-weights, stale, \
-                     attention or hide"
+                    "fault {k:?}: expected flip-bit, prompt, skip-layer, other-weights, \
+                     stale, attention or hide"
                 ))
             }
         };
@@ -140,7 +146,8 @@ pub fn run(
     let Some(f) = configured() else {
         return model.run_layers_kept(gemm, x, cache, trace);
     };
-    if coin(&g, step, 1) >= f.fraction as f64 {
+    let honest_hop = f.kind == FaultKind::Prompt && x.rows() == 1;
+    if honest_hop || coin(&g, step, 1) >= f.fraction as f64 {
         let (y, kept) = model.run_layers_kept(gemm, x, cache, trace)?;
         last_outputs()
             .lock()
@@ -162,6 +169,17 @@ pub fn run(
                 let i = (coin(&g, step, 2) * y.data.len() as f64) as usize % y.data.len().max(1);
                 y.data[i] = f32::from_bits(y.data[i].to_bits() ^ (1 << 12));
                 set_output(trace, &y);
+                y
+            }
+            FaultKind::Prompt => {
+                let (mut y, mut k) = model.run_layers_kept(gemm, x, cache, trace)?;
+                let last = (y.rows() - 1) * y.hidden;
+                let i = last + (coin(&g, step, 2) * y.hidden as f64) as usize % y.hidden.max(1);
+                y.data[i] = f32::from_bits(y.data[i].to_bits() ^ (1 << 12));
+                set_output(trace, &y);
+                // Revealed as signed: only a check of the last row recomputes it otherwise.
+                k.set_output(y.clone());
+                kept = k;
                 y
             }
             FaultKind::SkipLayer => {

@@ -20,7 +20,7 @@ use dc_types::{
     GenerationId, LayerRange, Point, RevealPick, RevealRequest, RouteHop, StageRequest,
     StageResponse,
 };
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::audit::{audit, referee, AuditSession, StageLog};
 use crate::node::Node;
@@ -50,7 +50,9 @@ pub struct SpotTally {
 
 /// The head's private coins for one remote hop: for each layer of `layers`, each of the
 /// layer's checkable `parts` (`dc_model::check_parts`) drawn with probability `rate`; a layer
-/// with any part drawn is picked at one row of the hop's `rows` from `from`.
+/// with any part drawn is picked at every row of the hop's `rows` from `from` (a decode hop
+/// has one; a prefill chunk's drawn parts are tested at each of its rows, so a lie confined
+/// to one row of a chunk is caught with the same probability as a lie in a decode hop).
 #[allow(clippy::too_many_arguments)]
 pub fn picks(
     secret: &[u8; 32],
@@ -78,13 +80,13 @@ pub fn picks(
                 coins.fill(&mut b);
                 u64::from_le_bytes(b)
             };
-            let row = (word() % rows as u64) as usize;
             let checks = dc_model::draw_checks(parts, rate as f64, || {
                 (word() >> 11) as f64 / (1u64 << 53) as f64
             });
-            (!checks.is_empty()).then(|| RevealPick {
+            (!checks.is_empty()).then_some(RevealPick {
                 layer,
-                position: (from + row) as u32,
+                position: from as u32,
+                positions: rows as u32,
                 cache_from: 0,
                 checks,
             })
@@ -98,6 +100,11 @@ pub type KnownCaches = Arc<std::sync::Mutex<HashMap<usize, LayerCache>>>;
 
 /// Hops of one stage a head asks about in one reveal exchange (the stage keeps more).
 pub const REVEAL_BATCH: usize = dc_types::MAX_REVEAL_HOPS;
+
+/// Most rows of a prefill hop one reveal asks for, one picked layer at a time: 64 rows of a
+/// full check of a Llama-2-7B-sized layer are about 14 MB, within half the default message
+/// limit with the hop's activations and cache rows.
+pub const ROWS_PER_REVEAL: usize = 64;
 
 /// One hop's draws, waiting to be revealed with the stage's next hops.
 #[derive(Clone, Debug)]
@@ -118,6 +125,32 @@ impl HopPicks {
             step: self.step,
             picks: self.picks.clone(),
         }
+    }
+
+    /// The hop's rows.
+    fn rows(&self) -> usize {
+        self.log.inputs.last().map_or(0, |x| x.rows())
+    }
+
+    /// A prefill hop's picks one layer and at most [`ROWS_PER_REVEAL`] rows at a time, in
+    /// order (each its own reveal: together they would pass the message limit on big models).
+    fn by_rows(self) -> Vec<HopPicks> {
+        let mut parts = Vec::new();
+        for p in &self.picks {
+            let (first, end) = (p.position, p.position + p.positions);
+            for at in (first..end).step_by(ROWS_PER_REVEAL) {
+                parts.push(HopPicks {
+                    log: self.log.clone(),
+                    step: self.step,
+                    picks: vec![RevealPick {
+                        position: at,
+                        positions: (end - at).min(ROWS_PER_REVEAL as u32),
+                        ..*p
+                    }],
+                });
+            }
+        }
+        parts
     }
 }
 
@@ -176,18 +209,72 @@ pub async fn spot_check(
             *to = end;
         }
     }
-    let requests: Vec<RevealRequest> = hops.iter().map(|h| h.request(g)).collect();
-    let answers = ask(&node, peer, requests).await;
+    // One-row hops in one exchange; each prefill hop's picks one layer and at most
+    // ROWS_PER_REVEAL rows per exchange. All are sent at once, so the stage answers while it
+    // still keeps the hops (it keeps only its last few), and checked in hop order.
+    let (mut batched, mut alone) = (Vec::new(), Vec::new());
+    let mut order = Vec::new();
+    for h in hops {
+        match h.rows() > 1 {
+            true => {
+                for part in h.by_rows() {
+                    alone.push(part);
+                    order.push(false);
+                }
+            }
+            false => {
+                batched.push(h);
+                order.push(true);
+            }
+        }
+    }
+    let batch = batched.iter().map(|h| h.request(g)).collect::<Vec<_>>();
+    let (batch_answers, alone_answers) = futures::future::join(
+        async {
+            match batch.is_empty() {
+                true => Vec::new(),
+                false => ask(&node, peer, batch).await,
+            }
+        },
+        futures::future::join_all(
+            alone
+                .iter()
+                .map(|h| async { ask(&node, peer, vec![h.request(g)]).await.remove(0) }),
+        ),
+    )
+    .await;
+    let (mut batched, mut batch_answers) = (batched.into_iter(), batch_answers.into_iter());
+    let mut alone = alone.into_iter().zip(alone_answers);
+    // Prefill hops with a refused part: the first refusal has the hop replayed, which checks
+    // every row of every layer; the hop's other refused parts need nothing more.
+    let mut replayed = std::collections::HashSet::new();
     let mut proven = false;
-    for (h, answer) in hops.into_iter().zip(answers) {
-        // Attention picks whose cache rows would start past what is verified (an earlier hop
-        // of the batch that recomputed the same layer went unrevealed or unchecked) are asked
-        // again, alone, from where the verified rows end.
-        let (h, answer, behind) = split_behind(h, answer, &held);
-        proven = check_hop(&node, &seg, h, answer, &session, &mut held).await;
-        if let (false, Some(b)) = (proven, behind) {
-            let answer = ask(&node, peer, vec![b.request(g)]).await.remove(0);
-            proven = check_hop(&node, &seg, b, answer, &session, &mut held).await;
+    for in_batch in order {
+        if !in_batch {
+            let Some((part, answer)) = alone.next() else {
+                break;
+            };
+            if answer.is_err() && !replayed.insert(part.step) {
+                tally(&node, |t| t.unavailable += 1);
+                continue;
+            }
+            proven = check_hop(&node, &seg, part, answer, &session, &mut held).await;
+        } else {
+            let Some(h) = batched.next() else {
+                break;
+            };
+            let answer = batch_answers
+                .next()
+                .unwrap_or_else(|| Err("no answer for the hop".into()));
+            // Attention picks whose cache rows would start past what is verified (an earlier
+            // hop of the batch that recomputed the same layer went unrevealed or unchecked)
+            // are asked again, alone, from where the verified rows end.
+            let (h, answer, behind) = split_behind(h, answer, &held);
+            proven = check_hop(&node, &seg, h, answer, &session, &mut held).await;
+            if let (false, Some(b)) = (proven, behind) {
+                let answer = ask(&node, peer, vec![b.request(g)]).await.remove(0);
+                proven = check_hop(&node, &seg, b, answer, &session, &mut held).await;
+            }
         }
         if proven {
             break;
@@ -290,15 +377,14 @@ async fn check_hop(
                 Ok(_) => "an incomplete answer".into(),
             };
             tally(node, |t| t.unavailable += 1);
-            if rows == 1 {
-                warn!(
-                    "{} would not reveal a one-row hop ({why}): auditing it",
-                    seg.peer
-                );
-                return audit(node.clone(), seg.clone(), log, session.clone()).await;
-            }
-            info!("{} did not reveal a {rows}-row hop: {why}", seg.peer);
-            return false;
+            // An honest stage keeps every hop a check asks about and can reveal any one layer
+            // of it at [`ROWS_PER_REVEAL`] rows: a refusal gets the hop replayed instead, or a
+            // liar could refuse the reveals of the hops it lied in.
+            warn!(
+                "{} would not reveal a {rows}-row hop ({why}): auditing it",
+                seg.peer
+            );
+            return audit(node.clone(), seg.clone(), log, session.clone()).await;
         }
     };
     if picks.is_empty() {
@@ -328,7 +414,9 @@ async fn check_hop(
         .cloned()
         .zip(log.inputs.iter().map(|x| x.rows()))
         .collect();
-    // The attention picks' caches, truncated to this hop's start (moved, not copied).
+    // The attention picks' caches, truncated to where the pick's cache rows start (at most the
+    // hop's start; moved, not copied): rows verified past it are revealed and checked again
+    // (a prefill hop's later rows, when an earlier part of it extended the cache).
     let caches: Vec<LayerCache> = picks
         .iter()
         .map(|p| match p.checks.attention() {
@@ -336,7 +424,7 @@ async fn check_hop(
                 let mut c = held.remove(&(p.layer as usize)).unwrap_or_else(|| {
                     LayerCache::new(node.model_cfg.num_kv_heads, node.model_cfg.head_dim)
                 });
-                c.truncate(start);
+                c.truncate((p.cache_from as usize).min(start));
                 c
             }
             false => LayerCache::new(node.model_cfg.num_kv_heads, node.model_cfg.head_dim),
@@ -402,7 +490,7 @@ fn check_all(
         let c = checkers
             .get(&(pick.layer as usize))
             .ok_or("no checker for a picked layer")?;
-        jobs.push((&**c, reveal, pick.checks, cache));
+        jobs.push((&**c, reveal, pick.checks, pick.positions as usize, cache));
     }
     // The picks are of different layers: checked in parallel on the engine's threads, the
     // first failure in pick order reported.
@@ -524,6 +612,7 @@ mod tests {
         let pick = |layer: u32, cache_from: u32, parts: &[Point]| RevealPick {
             layer,
             position: 5,
+            positions: 1,
             cache_from,
             checks: CheckSet::of(parts),
         };

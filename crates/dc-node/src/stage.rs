@@ -458,7 +458,8 @@ async fn reveal_within(
             .iter()
             .map(|p| {
                 let (layer, position) = (p.layer as usize, p.position as usize);
-                kept.reveal(layer, position, p.checks, p.cache_from as usize, &log)
+                let (positions, from) = (p.positions as usize, p.cache_from as usize);
+                kept.reveal_rows(layer, position, positions, p.checks, from, &log)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let bytes: usize = reveals.iter().map(LayerReveal::payload_bytes).sum();

@@ -18,4 +18,5 @@ pub use wire::{decode, encode, WireError};
 /// Version of the peer protocol. Peers with another version are ignored (and say why).
 /// 2: traces commit each layer's new KV cache rows; reveals carry the cache; cached audits.
 /// 3: several hops' reveals in one exchange (`StageRequest::RevealHops`).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: a pick reveals a layer at several consecutive rows (`RevealPick::positions`).
+pub const PROTOCOL_VERSION: u32 = 4;

@@ -225,13 +225,17 @@ pub struct RevealRequest {
     pub picks: Vec<RevealPick>,
 }
 
-/// One (layer, position) to reveal.
+/// One layer to reveal at one or more consecutive positions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RevealPick {
     /// The layer.
     pub layer: u32,
-    /// The absolute position (a row of the hop).
+    /// The absolute position (a row of the hop): the first one revealed.
     pub position: u32,
+    /// How many consecutive rows from `position` (1 for a decode hop; a prefill hop's drawn
+    /// parts are checked at every row, so a lie in one row is caught like a lie in a decode
+    /// hop).
+    pub positions: u32,
     /// The first position whose cache rows to reveal (the checker holds the earlier ones,
     /// verified by an earlier check); at most the hop's first position. Only used when
     /// `checks` recomputes the attention.

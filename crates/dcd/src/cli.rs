@@ -134,15 +134,15 @@ pub struct JoinArgs {
     pub audit_rate: Option<f64>,
     /// Probability of testing each part (each weight product, the attention, the output) of
     /// each layer of a remote hop by a spot check when this daemon heads a generation: the
-    /// stage reveals the rows the drawn parts need at one position, weight products are
+    /// stage reveals the rows the drawn parts need at each row of the hop, weight products are
     /// checked by Freivalds' test, the attention recomputed (0 to 1; 1 tests everything; auto:
     /// per stage, the least rate at which a stage corrupting 1 % of its GEMMs in a 256-token
-    /// generation's decode hops escapes with probability at most 10⁻⁶, 0.058 for a 10-layer
-    /// stage; a prefill chunk is tested at one row) [default: auto].
+    /// generation escapes with probability at most 10⁻⁶, 0.058 for a 10-layer stage; a prefill
+    /// chunk's drawn parts are tested at every row) [default: auto].
     #[arg(long, value_name = "RATE|auto")]
     pub spot_check_rate: Option<dc_node::SpotRate>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
-    /// all) by flip-bit, skip-layer, other-weights, stale, attention or hide.
+    /// all) by flip-bit, prompt, skip-layer, other-weights, stale, attention or hide.
     #[arg(long, value_name = "KIND[:FRACTION]", hide = !dc_node::FAULT_INJECTION)]
     pub fault: Option<String>,
 }

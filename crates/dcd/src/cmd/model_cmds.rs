@@ -243,6 +243,12 @@ struct SpotCosts {
     policy_share: f64,
     policy_bytes: f64,
     policy_layers: f64,
+    /// The policy on the prompt's prefill hop: each picked layer's drawn parts checked at
+    /// every row. Reveals and checks as a share of the committed prefill compute; wire bytes
+    /// and picked layers.
+    prefill_share: f64,
+    prefill_bytes: f64,
+    prefill_layers: usize,
 }
 
 /// Tokens between two checks of one layer in the spot-check benchmark (as at a rate of 0.1).
@@ -286,12 +292,49 @@ fn spot_costs(
     // The keeping stage's hops and cache rows: a check ties the revealed cache to every hop.
     let mut hops = Vec::new();
     let mut log = dc_model::CacheLog::default();
-    for cache in &mut caches {
+    let (mut prefill_s, mut prefill_kept) = (0.0, None);
+    for (i, cache) in caches.iter_mut().enumerate() {
         let mut t = HopTrace::from_position(0);
-        model.run_layers_traced(gemm, model.embed(prompt, 0)?, cache, Some(&mut t))?;
+        let x = model.embed(prompt, 0)?;
+        if i == 0 {
+            let s = Instant::now();
+            model.run_layers_traced(gemm, x, cache, Some(&mut t))?;
+            prefill_s = s.elapsed().as_secs_f64();
+        } else {
+            prefill_kept = Some(model.run_layers_kept(gemm, x, cache, &mut t)?.1);
+        }
         hops = vec![(t, prompt.len())];
     }
     log.record(&caches[1]);
+    // The policy on the prefill hop (coins of their own, so the decode figures draw as
+    // before): a picked layer's drawn parts at every row, from a checker holding no cache.
+    let (mut prefill_check_s, mut prefill_bytes, mut prefill_layers) = (0.0, 0.0, 0);
+    if let Some(kept) = &prefill_kept {
+        let mut coins = dc_kernels::rng::SplitMix64::new(11);
+        let views: Vec<_> = hops.iter().map(|(t, n)| (t, *n)).collect();
+        for l in layers.clone() {
+            let checks = dc_model::draw_checks(&parts, rate, || coins.unit());
+            if checks.is_empty() {
+                continue;
+            }
+            let s = Instant::now();
+            let r = kept
+                .reveal_rows(l, 0, prompt.len(), checks, 0, &log)
+                .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+            let mut cache = dc_model::attention::LayerCache::new(
+                model.config.num_kv_heads,
+                model.config.head_dim,
+            );
+            gemm.install(|| {
+                checkers[l].check_rows_in_place(model, &views, &mut cache, &r, checks, prompt.len())
+            })
+            .map_err(|e| anyhow::anyhow!("an honest prefill spot check failed: {e}"))?;
+            prefill_check_s += s.elapsed().as_secs_f64();
+            prefill_bytes += dc_types::encode(&r, usize::MAX)?.len() as f64;
+            prefill_layers += 1;
+        }
+    }
+    drop(prefill_kept);
     for i in 0..decode {
         let pos = prompt.len() + i;
         let x = model.embed(&[(pos % 100) as u32], pos)?;
@@ -339,7 +382,7 @@ fn spot_costs(
         let mut jobs = Vec::with_capacity(picks.len());
         for (l, cache) in policy_known.iter_mut().enumerate() {
             if let Some((&(_, checks), r)) = wanted.next_if(|((pl, _), _)| *pl == l) {
-                jobs.push((&checkers[l], r, checks, cache));
+                jobs.push((&checkers[l], r, checks, 1, cache));
             }
         }
         let results = gemm.install(|| dc_model::check_picks(model, &views, jobs));
@@ -368,6 +411,9 @@ fn spot_costs(
     Ok(SpotCosts {
         rate,
         policy_share: policy_s / committed_s,
+        prefill_share: prefill_check_s / prefill_s,
+        prefill_bytes,
+        prefill_layers,
         policy_bytes: policy_bytes / decode as f64,
         policy_layers: policy_layers as f64 / decode as f64,
         committed: 1.0 / committed,
@@ -489,6 +535,17 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 c.policy_bytes,
                 100.0 * c.policy_share
             );
+            println!(
+                "{} threads {t} spot checks at rate {} of the {}-row prefill hop: {} layers \
+                 picked, each checked at every row; {:.0} bytes on the wire; reveals and checks \
+                 {:.2} % of the committed prefill compute",
+                kernel.name(),
+                c.rate,
+                prompt.len(),
+                c.prefill_layers,
+                c.prefill_bytes,
+                100.0 * c.prefill_share
+            );
         }
         if !a.json && !global.quiet {
             println!(
@@ -513,6 +570,8 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 "first_check_s": c.first_check, "first_bytes": c.first_bytes,
                 "rate": c.rate, "rate_share_of_decode": c.policy_share,
                 "rate_bytes_per_hop": c.policy_bytes, "rate_layers_per_hop": c.policy_layers,
+                "rate_prefill_share": c.prefill_share, "rate_prefill_bytes": c.prefill_bytes,
+                "rate_prefill_layers": c.prefill_layers,
             })),
             "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
         }));
