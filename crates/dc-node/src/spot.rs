@@ -1,14 +1,17 @@
 //! Spot checks (docs/VERIFICATION.md): after a remote hop, the head's private coins draw, for
-//! each layer, which of its parts to test (each weight product, the attention, the output) and
-//! one row; the stage reveals the rows those parts need with their Merkle paths, and the head
-//! tests each drawn weight product by Freivalds' test, recomputes the attention when drawn and
-//! the glue between. Cheap for everyone: the stage sends what it kept, the head does O(k + n)
-//! work per product. The head asks about a stage's drawn hops [`REVEAL_BATCH`] at a time, in
-//! one exchange: on small models a request's libp2p work costs the head more than the checks.
+//! each layer, which of its parts to test (each weight product, the attention, the output),
+//! tested at every row of the hop (one for a decode hop; a prompt chunk's rows all, so a lie in
+//! one of them is caught like a lie in a decode hop); the stage reveals the rows those parts
+//! need with their Merkle paths, and the head tests each drawn weight product by Freivalds'
+//! test, recomputes the attention when drawn and the glue between. Cheap for everyone: the
+//! stage sends what it kept, the head does O(k + n) work per product and row. The head asks
+//! about a stage's drawn one-row hops [`REVEAL_BATCH`] at a time, in one exchange (on small
+//! models a request's libp2p work costs the head more than the checks), and a prefill hop's
+//! picks a layer and [`ROWS_PER_REVEAL`] rows per exchange, all sent at once.
 //!
 //! A failed check is not a proof; it sends the hop to the referee, who proves or clears it.
-//! A stage that will not reveal a one-row hop (which an honest stage always keeps) gets a full
-//! replay audit instead.
+//! A stage that will not reveal a hop it was asked about (which an honest stage keeps) gets a
+//! full replay audit instead.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,6 +23,7 @@ use dc_types::{
     GenerationId, LayerRange, Point, RevealPick, RevealRequest, RouteHop, StageRequest,
     StageResponse,
 };
+use futures::StreamExt;
 use tracing::warn;
 
 use crate::audit::{audit, referee, AuditSession, StageLog};
@@ -105,6 +109,9 @@ pub const REVEAL_BATCH: usize = dc_types::MAX_REVEAL_HOPS;
 /// full check of a Llama-2-7B-sized layer are about 14 MB, within half the default message
 /// limit with the hop's activations and cache rows.
 pub const ROWS_PER_REVEAL: usize = 64;
+
+/// A prefill hop's reveal exchanges in flight at once, ahead of the checks.
+const PREFILL_IN_FLIGHT: usize = 4;
 
 /// One hop's draws, waiting to be revealed with the stage's next hops.
 #[derive(Clone, Debug)]
@@ -209,9 +216,10 @@ pub async fn spot_check(
             *to = end;
         }
     }
-    // One-row hops in one exchange; each prefill hop's picks one layer and at most
-    // ROWS_PER_REVEAL rows per exchange. All are sent at once, so the stage answers while it
-    // still keeps the hops (it keeps only its last few), and checked in hop order.
+    // One-row hops in one exchange, sent at once; each prefill hop's picks one layer and at
+    // most ROWS_PER_REVEAL rows per exchange, PREFILL_IN_FLIGHT at a time ahead of the checks
+    // (bounded memory; the stage keeps only its last few hops, so they go early). Checked in
+    // hop order.
     let (mut batched, mut alone) = (Vec::new(), Vec::new());
     let mut order = Vec::new();
     for h in hops {
@@ -229,29 +237,28 @@ pub async fn spot_check(
         }
     }
     let batch = batched.iter().map(|h| h.request(g)).collect::<Vec<_>>();
-    let (batch_answers, alone_answers) = futures::future::join(
-        async {
-            match batch.is_empty() {
-                true => Vec::new(),
-                false => ask(&node, peer, batch).await,
+    let mut batch_task = (!batch.is_empty()).then(|| {
+        let node = node.clone();
+        tokio::spawn(async move { ask(&node, peer, batch).await })
+    });
+    let asker = node.clone();
+    let mut alone = futures::stream::iter(alone)
+        .map(move |h| {
+            let node = asker.clone();
+            async move {
+                let answer = ask(&node, peer, vec![h.request(g)]).await.remove(0);
+                (h, answer)
             }
-        },
-        futures::future::join_all(
-            alone
-                .iter()
-                .map(|h| async { ask(&node, peer, vec![h.request(g)]).await.remove(0) }),
-        ),
-    )
-    .await;
-    let (mut batched, mut batch_answers) = (batched.into_iter(), batch_answers.into_iter());
-    let mut alone = alone.into_iter().zip(alone_answers);
+        })
+        .buffered(PREFILL_IN_FLIGHT);
+    let (mut batched, mut batch_answers) = (batched.into_iter(), Vec::new().into_iter());
     // Prefill hops with a refused part: the first refusal has the hop replayed, which checks
     // every row of every layer; the hop's other refused parts need nothing more.
     let mut replayed = std::collections::HashSet::new();
     let mut proven = false;
     for in_batch in order {
         if !in_batch {
-            let Some((part, answer)) = alone.next() else {
+            let Some((part, answer)) = alone.next().await else {
                 break;
             };
             if answer.is_err() && !replayed.insert(part.step) {
@@ -263,6 +270,9 @@ pub async fn spot_check(
             let Some(h) = batched.next() else {
                 break;
             };
+            if let Some(task) = batch_task.take() {
+                batch_answers = task.await.unwrap_or_default().into_iter();
+            }
             let answer = batch_answers
                 .next()
                 .unwrap_or_else(|| Err("no answer for the hop".into()));
