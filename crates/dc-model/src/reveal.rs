@@ -609,8 +609,10 @@ impl LayerChecker {
             input: &input,
             next: &next,
         };
-        for (i, product_rows) in reveal.rows.chunks(per.max(1)).enumerate() {
-            let at = pos + i;
+        // Every asked position is checked, whatever was revealed (no rows: each check finds
+        // the rows it needs missing).
+        for i in 0..positions {
+            let (product_rows, at) = (&reveal.rows[i * per..(i + 1) * per], pos + i);
             // The cache holds 0..at: the rows before the first position from the reveal, each
             // later one appended (and compared with the revealed row) by the row before it.
             let cache_row = match checks.attention() {

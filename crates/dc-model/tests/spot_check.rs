@@ -764,15 +764,20 @@ fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
             cache.encode_rows(0..cache.len()),
             log.rows(c.layer(), rows).unwrap()
         );
-        // A reveal of fewer rows than asked for is refused, and the cache left as it was.
+        // A reveal of fewer rows than asked for, or of none, is refused, and the cache left as
+        // it was.
         let one = kept
             .reveal(c.layer(), from, every(&model), 0, &log)
             .unwrap();
-        let mut cache = empty(&model);
-        let err = c
-            .check_rows_in_place(&model, &view, &mut cache, &one, every(&model), rows)
-            .unwrap_err();
-        assert!(cache.is_empty(), "{name}: {err}");
+        let mut none = all(every(&model));
+        none.rows.clear();
+        for short in [one, none] {
+            let mut cache = empty(&model);
+            let err = c
+                .check_rows_in_place(&model, &view, &mut cache, &short, every(&model), rows)
+                .unwrap_err();
+            assert!(cache.is_empty(), "{name}: {err}");
+        }
         // A lie in the down projection of the hop's last row alone, committed consistently (a
         // new Merkle root over the hop's rows).
         let checks = CheckSet::of(&[Point::Down]);
