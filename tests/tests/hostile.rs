@@ -203,15 +203,19 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         let err = revealed_hops(client.stage_request(victim, many).await).unwrap_err();
         assert!(err.contains(why), "{err}");
     }
-    // Rows past the hop's (it has one), none, or more than any hop holds: refused by name.
-    for positions in [0, 2, u32::MAX] {
+    // Rows past the hop's (it has one), none, or more than one pick may ask: refused by name.
+    for (positions, why) in [
+        (0, "0 positions from 0 are not rows of this hop"),
+        (2, "2 positions from 0 are not rows of this hop"),
+        (65, "65 positions in one pick: at most 64"),
+        (u32::MAX, "positions in one pick: at most 64"),
+    ] {
         let mut wide = reveal(0, vec![(1, 0)]);
         if let StageRequest::Reveal(r) = &mut wide {
             r.picks[0].positions = positions;
         }
         let err = revealed(client.stage_request(victim, wide).await).unwrap_err();
-        let why = format!("{positions} positions from 0 are not rows of this hop");
-        assert!(err.contains(&why), "{err}");
+        assert!(err.contains(why), "{err}");
     }
     // Cache rows from past the hop's first position cannot be revealed with it.
     let mut past = reveal(0, vec![(1, 0)]);

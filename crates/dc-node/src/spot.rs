@@ -105,10 +105,9 @@ pub type KnownCaches = Arc<std::sync::Mutex<HashMap<usize, LayerCache>>>;
 /// Hops of one stage a head asks about in one reveal exchange (the stage keeps more).
 pub const REVEAL_BATCH: usize = dc_types::MAX_REVEAL_HOPS;
 
-/// Most rows of a prefill hop one reveal asks for, one picked layer at a time: 64 rows of a
-/// full check of a Llama-2-7B-sized layer are about 14 MB, within half the default message
-/// limit with the hop's activations and cache rows.
-pub const ROWS_PER_REVEAL: usize = 64;
+/// Most rows of a prefill hop one reveal asks for, one picked layer at a time (all a stage
+/// reveals in one pick).
+pub const ROWS_PER_REVEAL: usize = dc_types::MAX_REVEAL_ROWS;
 
 /// A prefill hop's reveal exchanges in flight at once, ahead of the checks.
 const PREFILL_IN_FLIGHT: usize = 4;

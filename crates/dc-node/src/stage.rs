@@ -11,7 +11,7 @@ use dc_model::{Activations, CacheLog, KeptHop, KvCache};
 use dc_types::{
     AuditRequest, CacheRows, CacheRowsRequest, GenerationId, HopErrorKind, HopRecord, HopRequest,
     HopResponse, HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations,
-    MAX_REVEAL_HOPS, MAX_REVEAL_PICKS,
+    MAX_REVEAL_HOPS, MAX_REVEAL_PICKS, MAX_REVEAL_ROWS,
 };
 
 use crate::node::Node;
@@ -436,6 +436,16 @@ async fn reveal_within(
     if crate::fault::hides() {
         return Err("not revealing anything (fault: hide)".into());
     }
+    if let Some(p) = req
+        .picks
+        .iter()
+        .find(|p| p.positions as usize > MAX_REVEAL_ROWS)
+    {
+        return Err(format!(
+            "{} positions in one pick: at most {MAX_REVEAL_ROWS}",
+            p.positions
+        ));
+    }
     let mut layers: Vec<u32> = req.picks.iter().map(|p| p.layer).collect();
     layers.sort_unstable();
     if let Some(w) = layers.windows(2).find(|w| w[0] == w[1]) {
@@ -453,21 +463,21 @@ async fn reveal_within(
             )
         })?;
     tokio::task::spawn_blocking(move || {
-        let reveals = req
-            .picks
-            .iter()
-            .map(|p| {
-                let (layer, position) = (p.layer as usize, p.position as usize);
-                let (positions, from) = (p.positions as usize, p.cache_from as usize);
-                kept.reveal_rows(layer, position, positions, p.checks, from, &log)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let bytes: usize = reveals.iter().map(LayerReveal::payload_bytes).sum();
-        if bytes > limit {
-            return Err(format!(
-                "the reveal would carry {bytes} bytes, over the {limit} bytes left of half the \
-                 message limit"
-            ));
+        // Pick by pick, stopping at the limit: what a request makes this stage assemble stays
+        // within the limit and one pick.
+        let (mut reveals, mut bytes) = (Vec::with_capacity(req.picks.len()), 0);
+        for p in &req.picks {
+            let (layer, position) = (p.layer as usize, p.position as usize);
+            let (positions, from) = (p.positions as usize, p.cache_from as usize);
+            let r = kept.reveal_rows(layer, position, positions, p.checks, from, &log)?;
+            bytes += r.payload_bytes();
+            if bytes > limit {
+                return Err(format!(
+                    "the reveal would carry at least {bytes} bytes, over the {limit} bytes left of \
+                     half the message limit"
+                ));
+            }
+            reveals.push(r);
         }
         Ok((reveals, bytes))
     })

@@ -209,6 +209,11 @@ pub struct CacheRows {
 /// Most (layer, position) picks one reveal request may ask for.
 pub const MAX_REVEAL_PICKS: usize = 256;
 
+/// Most consecutive rows one pick may ask for (`RevealPick::positions`): 64 rows of a full check
+/// of a Llama-2-7B-sized layer are about 14 MB, within half the default message limit with the
+/// hop's activations and cache rows, and bound what one pick makes a stage assemble.
+pub const MAX_REVEAL_ROWS: usize = 64;
+
 /// Most hops one [`StageRequest::RevealHops`] may ask about: a stage keeps its last this many
 /// hops of each generation for reveals.
 pub const MAX_REVEAL_HOPS: usize = 4;
