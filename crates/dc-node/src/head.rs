@@ -281,7 +281,9 @@ impl Attempt {
                     step,
                     picks,
                 });
-                if self.pending[i].len() >= spot::REVEAL_BATCH {
+                // A prefill hop at once: its picks take several exchanges, and the stage keeps
+                // only its last few hops.
+                if self.pending[i].len() >= spot::REVEAL_BATCH || x.rows() > 1 {
                     self.check_pending(node, i);
                 }
             }

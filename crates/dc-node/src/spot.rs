@@ -109,8 +109,11 @@ pub const REVEAL_BATCH: usize = dc_types::MAX_REVEAL_HOPS;
 /// reveals in one pick).
 pub const ROWS_PER_REVEAL: usize = dc_types::MAX_REVEAL_ROWS;
 
-/// A prefill hop's reveal exchanges in flight at once, ahead of the checks.
-const PREFILL_IN_FLIGHT: usize = 4;
+/// A prefill hop's reveal exchanges in flight at once, ahead of the checks: enough for every
+/// picked layer of a usual chunk to be asked at once (the stage keeps only its last few hops;
+/// a check of the first ones can take longer than a few tokens), while bounding what the head
+/// holds (each answer is at most half the message limit; a few MB in practice).
+const PREFILL_IN_FLIGHT: usize = 16;
 
 /// One hop's draws, waiting to be revealed with the stage's next hops.
 #[derive(Clone, Debug)]
