@@ -1,6 +1,7 @@
-//! Commitments (NUMERICS.md §5): blake3 with one derived key per kind of thing, the canonical
-//! encoding of exact accumulators, and Merkle trees whose leaves are output rows, so a checker
-//! can verify one row of a product without the rest.
+//! Commitments (NUMERICS.md §5): blake3 with one derived key per kind of thing, Merkle trees
+//! whose leaves are a product's output rows (its exact accumulators rounded once to f32), so a
+//! checker can verify one row of a product without the rest, and the canonical encoding in
+//! which a stage reveals a row's exact accumulators for a check.
 //!
 //! Nothing else in the code base hashes ad hoc: every hash goes through [`Domain`].
 
@@ -51,7 +52,8 @@ impl fmt::Debug for Commitment {
 /// kind can never be passed off as a hash of another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Domain {
-    /// One output row of a GEMM (a Merkle leaf).
+    /// Retired with protocol 4: one row of a GEMM's exact accumulators in their canonical
+    /// encoding (a Merkle leaf). Kept so its context is never reused.
     GemmRow,
     /// An inner node of a Merkle tree.
     MerkleNode,
@@ -73,10 +75,12 @@ pub enum Domain {
     FraudProof,
     /// One position's row of a layer's KV cache (a Merkle leaf).
     KvRow,
+    /// One output row of a product, its f32 values (a Merkle leaf; since protocol 5).
+    ProductRow,
 }
 
 impl Domain {
-    const ALL: [Domain; 11] = [
+    const ALL: [Domain; 12] = [
         Domain::GemmRow,
         Domain::MerkleNode,
         Domain::Gemm,
@@ -88,6 +92,7 @@ impl Domain {
         Domain::CacheKey,
         Domain::FraudProof,
         Domain::KvRow,
+        Domain::ProductRow,
     ];
 
     /// The blake3 `derive_key` context: globally unique, never to be changed once shipped.
@@ -104,6 +109,7 @@ impl Domain {
             Domain::CacheKey => "DaisyChain 2026-11-29 quantised cache key v1",
             Domain::FraudProof => "DaisyChain 2026-11-29 fraud proof v1",
             Domain::KvRow => "DaisyChain 2026-11-30 kv cache row leaf v1",
+            Domain::ProductRow => "DaisyChain 2026-12-02 product output row leaf v1",
         }
     }
 
@@ -240,95 +246,141 @@ pub fn encode_row(acc: &Accumulators, row: usize, out: &mut Vec<u8>) {
     }
 }
 
-/// Appends a row leaf's bytes: `position: u64 LE, columns: u64 LE`, then the encoding.
-fn leaf_bytes(acc: &Accumulators, row: usize, position: usize, out: &mut Vec<u8>) {
-    out.clear();
-    out.reserve(16 + acc.cols * 12);
-    out.extend_from_slice(&(position as u64).to_le_bytes());
-    out.extend_from_slice(&(acc.cols as u64).to_le_bytes());
-    encode_row(acc, row, out);
+/// Feeds `values` to `h` as their little-endian f32 bytes.
+fn update_f32(h: &mut blake3::Hasher, values: &[f32]) {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: an f32 is 4 bytes with no padding, and on a little-endian machine its bytes
+        // in memory are its little-endian bytes; the slice covers exactly `values`.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
+        h.update(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for part in values.chunks(256) {
+        let mut buf = [0u8; 1024];
+        for (b, v) in buf.chunks_exact_mut(4).zip(part) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+        h.update(&buf[..part.len() * 4]);
+    }
 }
 
-/// The Merkle leaf of one GEMM output row: `H_row(row index, column count, encoding)`.
-pub fn row_leaf(acc: &Accumulators, row: usize) -> Commitment {
-    row_leaf_at(acc, row, 0)
+/// The Merkle leaf of one output row of a product at absolute sequence `position`:
+/// `H_row(position: u64 LE, columns: u64 LE, the row's values as f32 LE)`, the values being the
+/// exact accumulators rounded once to f32 (NUMERICS.md §3, before any bias), bit for bit what
+/// the product hands on. The leaf names the position, so the rows of one hop can be checked
+/// against a recomputation over a longer sequence.
+pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
+    let mut h = Domain::ProductRow.hasher();
+    h.update(&(position as u64).to_le_bytes());
+    h.update(&(values.len() as u64).to_le_bytes());
+    update_f32(&mut h, values);
+    Commitment(*h.finalize().as_bytes())
 }
 
-/// The Merkle leaf of row `row` of a GEMM whose rows are absolute sequence positions starting
-/// at `first`: the leaf names the position, so the rows of one hop can be checked against a
-/// recomputation over a longer sequence.
-pub fn row_leaf_at(acc: &Accumulators, row: usize, first: usize) -> Commitment {
-    let mut bytes = Vec::new();
-    leaf_bytes(acc, row, first + row, &mut bytes);
-    Domain::GemmRow.hash(&bytes)
-}
-
-/// The commitment to a GEMM whose rows are positions `first..first + rows`.
-pub fn commit_gemm_at(acc: &Accumulators, first: usize) -> Commitment {
-    commit_gemm_from(acc, first, first)
-}
-
-/// The commitment to the rows at positions `from..` of a GEMM whose rows are positions
-/// `first..first + rows`: what a hop that started at `from` committed, recomputed from a longer
-/// run (an audit replays every earlier position to rebuild the caches).
-pub fn commit_gemm_from(acc: &Accumulators, first: usize, from: usize) -> Commitment {
-    commit_leaves(acc, &row_leaves_from(acc, first, from))
-}
-
-/// The leaves of the rows of `acc` that [`commit_gemm_from`] commits (those from position
-/// `from` on, the first row being at `first`).
-pub fn row_leaves_from(acc: &Accumulators, first: usize, from: usize) -> Vec<Commitment> {
-    let skip = from.saturating_sub(first).min(acc.rows);
-    let mut bytes = Vec::new();
-    (skip..acc.rows)
-        .map(|r| {
-            leaf_bytes(acc, r, first + r, &mut bytes);
-            Domain::GemmRow.hash(&bytes)
-        })
+/// The leaves of the `rows` rows of `out` (`cols` values each, the first row at position
+/// `first`) from position `from` on: what a product's commitment covers.
+pub fn product_leaves_from(
+    out: &[f32],
+    (rows, cols): (usize, usize),
+    first: usize,
+    from: usize,
+) -> Vec<Commitment> {
+    assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
+    let skip = from.saturating_sub(first).min(rows);
+    (skip..rows)
+        .map(|r| product_row_leaf(first + r, &out[r * cols..(r + 1) * cols]))
         .collect()
 }
 
-/// The commitment of `acc`'s product from the leaves of its committed rows.
-pub fn commit_leaves(acc: &Accumulators, leaves: &[Commitment]) -> Commitment {
-    gemm_commitment(leaves.len(), acc.cols, &merkle_root(leaves))
-}
-
-/// [`row_leaves_from`] with the rows hashed in parallel on the current rayon pool; the leaves
-/// keep their order.
-pub(crate) fn row_leaves_from_par(
-    acc: &Accumulators,
+/// [`product_leaves_from`] with the rows hashed in parallel on the current rayon pool; the
+/// leaves keep their order.
+pub(crate) fn product_leaves_from_par(
+    out: &[f32],
+    (rows, cols): (usize, usize),
     first: usize,
     from: usize,
 ) -> Vec<Commitment> {
     use rayon::prelude::*;
-    let skip = from.saturating_sub(first).min(acc.rows);
-    (skip..acc.rows)
+    assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
+    let skip = from.saturating_sub(first).min(rows);
+    (skip..rows)
         .into_par_iter()
-        .map_init(Vec::new, |bytes, r| {
-            leaf_bytes(acc, r, first + r, bytes);
-            Domain::GemmRow.hash(bytes)
-        })
+        .map(|r| product_row_leaf(first + r, &out[r * cols..(r + 1) * cols]))
         .collect()
 }
 
-/// A row leaf from exact values computed outside a GEMM kernel (the attention products), in
-/// the same format as [`row_leaf_at`].
-pub fn exact_row_leaf(position: usize, values: &[Exact]) -> Commitment {
-    let wide: usize = values
-        .iter()
-        .map(|v| match v {
-            Exact::Small { .. } => 0,
-            Exact::Wide { mag, .. } => 9 + mag.len() * 8,
-        })
-        .sum();
-    let mut bytes = Vec::with_capacity(16 + values.len() * 12 + wide);
-    bytes.extend_from_slice(&(position as u64).to_le_bytes());
-    bytes.extend_from_slice(&(values.len() as u64).to_le_bytes());
-    encode_values(values, &mut bytes);
-    Domain::GemmRow.hash(&bytes)
+/// The commitment of a product with `cols` values per row from the leaves of its committed
+/// rows.
+pub fn commit_leaves(cols: usize, leaves: &[Commitment]) -> Commitment {
+    gemm_commitment(leaves.len(), cols, &merkle_root(leaves))
 }
 
-/// Every row leaf of a GEMM.
+/// The commitment to the `rows × cols` output `out` (the first row at position `first`) from
+/// position `from` on.
+pub fn commit_rows_from(
+    out: &[f32],
+    shape: (usize, usize),
+    first: usize,
+    from: usize,
+) -> Commitment {
+    commit_leaves(shape.1, &product_leaves_from(out, shape, first, from))
+}
+
+/// Row `row` of `acc` rounded to f32 as the product's epilogue rounds it. A value past the f32
+/// range (which no product hands on: the kernel refuses it) rounds to infinity here, so a leaf
+/// made of it matches no honest one.
+pub fn rounded_row(acc: &Accumulators, row: usize) -> Vec<f32> {
+    (0..acc.cols)
+        .map(|c| acc.get(row, c).to_f32().unwrap_or(f32::INFINITY))
+        .collect()
+}
+
+/// Exact values rounded as [`rounded_row`] rounds them.
+pub fn rounded_values(values: &[Exact]) -> Vec<f32> {
+    values
+        .iter()
+        .map(|v| v.to_f32().unwrap_or(f32::INFINITY))
+        .collect()
+}
+
+/// The leaf of row `row` of `acc`, whose rows are positions from 0.
+pub fn row_leaf(acc: &Accumulators, row: usize) -> Commitment {
+    row_leaf_at(acc, row, 0)
+}
+
+/// The leaf of row `row` of `acc`, whose rows are positions from `first`: the leaf of its
+/// rounded values (what the kernel wrote for that row).
+pub fn row_leaf_at(acc: &Accumulators, row: usize, first: usize) -> Commitment {
+    product_row_leaf(first + row, &rounded_row(acc, row))
+}
+
+/// The commitment to a product whose exact accumulators are `acc` and whose rows are positions
+/// `first..first + rows`.
+pub fn commit_gemm_at(acc: &Accumulators, first: usize) -> Commitment {
+    commit_gemm_from(acc, first, first)
+}
+
+/// The commitment to the rows at positions `from..` of a product whose exact accumulators are
+/// `acc`, the first row being at `first`: what a hop that started at `from` committed,
+/// recomputed from a longer run (an audit replays every earlier position to rebuild the
+/// caches).
+pub fn commit_gemm_from(acc: &Accumulators, first: usize, from: usize) -> Commitment {
+    let skip = from.saturating_sub(first).min(acc.rows);
+    let leaves: Vec<Commitment> = (skip..acc.rows)
+        .map(|r| row_leaf_at(acc, r, first))
+        .collect();
+    commit_leaves(acc.cols, &leaves)
+}
+
+/// A row leaf from exact values computed outside a product kernel: the leaf of their
+/// roundings, in the same format as [`product_row_leaf`].
+pub fn exact_row_leaf(position: usize, values: &[Exact]) -> Commitment {
+    product_row_leaf(position, &rounded_values(values))
+}
+
+/// Every row leaf of a product from its exact accumulators.
 pub fn row_leaves(acc: &Accumulators) -> Vec<Commitment> {
     (0..acc.rows).map(|r| row_leaf(acc, r)).collect()
 }

@@ -1,12 +1,13 @@
-//! Revealing one row of a committed product: the row's canonical encoding travels as bytes, is
-//! tied to the product's commitment by its Merkle path, and is decoded back into exact values
-//! for a check (Freivalds, or recomputing what depends on it).
+//! Revealing one row of a committed product: the canonical encoding of the row's exact
+//! accumulators travels as bytes, is decoded back into exact values for a check (Freivalds, or
+//! recomputing what depends on it), and is tied to the product's commitment by its roundings'
+//! leaf and Merkle path.
 //!
 //! Everything a revealed row carries comes from a peer that may lie, so decoding refuses
 //! malformed bytes with a reason and bounds what it allocates.
 
 use crate::commit::{
-    encode_row, encode_values, gemm_commitment, verify_merkle, Commitment, Domain,
+    encode_row, encode_values, gemm_commitment, product_row_leaf, verify_merkle, Commitment,
 };
 use crate::exact::{round_i64_fast, Exact};
 use crate::gemm::Accumulators;
@@ -28,14 +29,45 @@ pub fn values_encoding(values: &[Exact]) -> Vec<u8> {
     out
 }
 
-/// The Merkle leaf of a row at absolute `position` with `cols` values encoded as `encoding`
-/// (the same leaf [`crate::commit::row_leaf_at`] and [`crate::commit::exact_row_leaf`] make).
-pub fn leaf_of_encoding(position: usize, cols: usize, encoding: &[u8]) -> Commitment {
-    let mut h = Domain::GemmRow.hasher();
-    h.update(&(position as u64).to_le_bytes());
-    h.update(&(cols as u64).to_le_bytes());
-    h.update(encoding);
-    Commitment(*h.finalize().as_bytes())
+/// The Merkle leaf of a row at absolute `position` whose `cols` exact values are encoded as
+/// `encoding`: the leaf of their roundings (the same leaf [`crate::commit::row_leaf_at`] and
+/// [`crate::commit::exact_row_leaf`] make). Refuses what [`decode_for_check`] refuses.
+pub fn leaf_of_encoding(
+    position: usize,
+    cols: usize,
+    encoding: &[u8],
+) -> Result<Commitment, String> {
+    let want = Decode {
+        residues: false,
+        rounded: true,
+    };
+    let row = decode_for_check(encoding, cols, want)?;
+    Ok(product_row_leaf(position, &row.rounded))
+}
+
+/// A row of f32 values as little-endian bytes: how an attention context row travels when a
+/// check takes it as the output projection's input (its leaf hashes exactly these values).
+pub fn f32_row_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Reads a row of `cols` f32 values from little-endian bytes. Refuses a wrong length and a
+/// value that is not finite (no product hands one on).
+pub fn decode_f32_row(bytes: &[u8], cols: usize) -> Result<Vec<f32>, String> {
+    if bytes.len() != cols.saturating_mul(4) {
+        return Err(format!(
+            "{} bytes for a row of {cols} f32 values",
+            bytes.len()
+        ));
+    }
+    let values: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect();
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(c) => Err(format!("value {c} is {}", values[c])),
+        None => Ok(values),
+    }
 }
 
 /// Decodes a row of `cols` canonical encodings. Refuses short, long or malformed input.
@@ -384,9 +416,11 @@ pub struct Opening<'a> {
 
 impl Opening<'_> {
     /// Whether this is row `position` of the committed product: the root with the shape makes
-    /// the commitment, and the row's leaf with its path makes the root.
+    /// the commitment, and the leaf of the row's roundings with its path makes the root (a
+    /// malformed encoding opens nothing).
     pub fn holds(&self) -> bool {
-        self.holds_for(&leaf_of_encoding(self.position, self.cols, self.encoding))
+        leaf_of_encoding(self.position, self.cols, self.encoding)
+            .is_ok_and(|leaf| self.holds_for(&leaf))
     }
 
     /// Whether `leaf` (which a checker computed itself; `encoding` is then unused) is the leaf
@@ -404,7 +438,7 @@ impl Opening<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::commit::{exact_row_leaf, merkle_proof, merkle_root};
+    use crate::commit::{exact_row_leaf, merkle_proof, merkle_root, Domain};
 
     fn values() -> Vec<Exact> {
         vec![
@@ -420,7 +454,10 @@ mod tests {
         let v = values();
         let bytes = values_encoding(&v);
         assert_eq!(decode_row(&bytes, v.len()), Ok(v.clone()));
-        assert_eq!(leaf_of_encoding(9, v.len(), &bytes), exact_row_leaf(9, &v));
+        assert_eq!(
+            leaf_of_encoding(9, v.len(), &bytes),
+            Ok(exact_row_leaf(9, &v))
+        );
     }
 
     /// `decode_row`, then `exact_mod` and `rounded` value by value.
@@ -635,6 +672,24 @@ mod tests {
             decode_row(&bad, v.len()).is_err(),
             "wide marker with a mantissa"
         );
+    }
+
+    #[test]
+    fn f32_rows_read_back_and_bad_ones_are_refused() {
+        let v = [1.5f32, -0.0, f32::MIN_POSITIVE / 4.0, 3e38];
+        let bytes = f32_row_bytes(&v);
+        let back = decode_f32_row(&bytes, v.len()).unwrap();
+        assert_eq!(
+            back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(decode_f32_row(&bytes[..15], v.len()).is_err());
+        assert!(decode_f32_row(&bytes, v.len() + 1).is_err());
+        assert!(decode_f32_row(&bytes, usize::MAX).is_err());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let err = decode_f32_row(&f32_row_bytes(&[0.0, bad]), 2).unwrap_err();
+            assert!(err.contains("value 1"), "{err}");
+        }
     }
 
     #[test]

@@ -1,15 +1,20 @@
-//! Commitments are part of the wire contract: the same exact accumulators must always hash to
-//! the same bytes, leaves and roots, whatever code path computes them. These tests pin values
-//! computed by the original (byte-by-byte) encoder, so any change of bytes fails here.
+//! Commitments are part of the wire contract: the same product must always hash to the same
+//! leaves and roots, and its exact accumulators encode to the same bytes, whatever code path
+//! computes them. These tests pin values computed by the plain (value-by-value) definitions,
+//! so any change of bytes fails here. (The leaves hash each row's f32 roundings since
+//! protocol 5, whose pins replaced those of the accumulators' encodings; the encoding pins,
+//! still what a reveal carries, are the original ones.)
 
 #![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
 
 use dc_kernels::commit::{
     commit_gemm, commit_gemm_at, commit_gemm_from, encode_exact, encode_row, encode_values,
-    exact_row_leaf, gemm_commitment, merkle_root, row_leaf, row_leaf_at, Commitment, Domain,
+    exact_row_leaf, gemm_commitment, merkle_root, rounded_row, row_leaf, row_leaf_at, Commitment,
+    Domain,
 };
 use dc_kernels::conformance::{matrix, Style};
 use dc_kernels::gemm::Slot;
+use dc_kernels::reveal::leaf_of_encoding;
 use dc_kernels::rng::SplitMix64;
 use dc_kernels::{
     Accumulators, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout, BLOCK,
@@ -48,6 +53,8 @@ fn mixed_w(rng: &mut SplitMix64, n: usize, k: usize) -> Vec<f32> {
     v
 }
 
+/// A product's exact accumulators and the f32 output the plain product wrote (the same as
+/// the exact product's, bit for bit: asserted).
 fn product(
     m: usize,
     k: usize,
@@ -55,17 +62,22 @@ fn product(
     seed: u64,
     kernel: Kernel,
     threads: usize,
-) -> Accumulators {
+) -> (Accumulators, Vec<f32>) {
     let mut rng = SplitMix64::new(seed);
     let x = mixed_x(&mut rng, m, k);
     let w = mixed_w(&mut rng, n, k);
     let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
     let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
-    let mut y = vec![0f32; m * n];
-    Gemm::new(kernel, threads)
-        .unwrap()
-        .matmul_exact(&qx, &qw, &mut y)
-        .unwrap()
+    let g = Gemm::new(kernel, threads).unwrap();
+    let (mut y, mut plain) = (vec![0f32; m * n], vec![0f32; m * n]);
+    let acc = g.matmul_exact(&qx, &qw, &mut y).unwrap();
+    g.matmul(&qx, &qw, &mut plain).unwrap();
+    assert_eq!(bits(&y), bits(&plain), "{kernel} × {threads}");
+    (acc, plain)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 fn kinds(acc: &Accumulators) -> (usize, usize, usize) {
@@ -104,15 +116,15 @@ fn pins(acc: &Accumulators) -> [String; 4] {
 
 const PREFILL: [&str; 4] = [
     "bc982cc6cdf5d91f191acdbab464af25f87ec5544a98d7ca8149c541aa5cbb27",
-    "49af7c0872a71d79af07cf7e625d23c39be30afc9b7a4f4d83db7a8f06f082b7",
-    "151c6bd19defaa55bc492a3bd59135bcbb79dc1751b665bccbb65f199ca10096",
-    "7d764654cb6ff84af7d3fd64d40bc24b3a9006acf848012ed22a5591abef0693",
+    "e3c05889ab5a77c44cfec48d0c4ff241594fcb8c0b0b493381c726e06a0148e5",
+    "d7da744fa3d3e28db5e3640cec21d58f6bd52b84facfe5c18b07a8b77cf09621",
+    "98c74eea10bf2b149856c127a52c3033341bcbb007e38ce532a875eeab420694",
 ];
 const DECODE: [&str; 4] = [
     "28b9dc120cee544277c3575f3c18cf4b7b66178c831771adbab13900a2afdeb8",
-    "21fc5ad3464d9f97aca7f3a1eb9e6fbcc617a9ea6028a9a0fdcb85a1ae7004d4",
+    "f9625dac7dbaae8c809bd80204cfabcc5ecef347aa7067ff17e44f02a9facad8",
     "ca6ea74eb448c37a792076d8cd7ca930cd30c7a05153f7ee38635d9c4606245c",
-    "2d6c4021953a16643339b04d1302c8c50d3a8e0c582cb5a02ac98dc88b2e8c44",
+    "796f082ef96eb3be724e8579669aee5d3e7ccfb105ff4351e201cadc0d31626a",
 ];
 
 #[test]
@@ -121,7 +133,7 @@ fn gemm_commitments_are_pinned_bit_for_bit() {
     let (m, k, n) = (23, 5 * BLOCK + 7, 41);
     for kernel in Kernel::supported() {
         for threads in [1, 2] {
-            let acc = product(m, k, n, 11, kernel, threads);
+            let (acc, y) = product(m, k, n, 11, kernel, threads);
             let (zero, small, wide) = kinds(&acc);
             assert!(zero > 0 && small > 0 && wide > 0, "{zero} {small} {wide}");
             assert_eq!(
@@ -129,8 +141,10 @@ fn gemm_commitments_are_pinned_bit_for_bit() {
                 PREFILL.map(String::from),
                 "{kernel} × {threads}"
             );
+            // What a stage commits: the rows its product wrote, hashed on its threads.
             let g = Gemm::new(kernel, threads).unwrap();
-            assert_eq!(g.commit_from(&acc, 5, 9).to_hex(), PREFILL[2]);
+            assert_eq!(g.commit_from(&y, (m, n), 5, 9).to_hex(), PREFILL[2]);
+            assert_eq!(g.commit_from(&y, (m, n), 0, 0), commit_gemm(&acc));
             assert_eq!(commit_gemm_at(&acc, 0), commit_gemm(&acc));
             for r in 0..m {
                 assert_eq!(row_leaf(&acc, r), row_leaf_at(&acc, r, 0));
@@ -138,7 +152,7 @@ fn gemm_commitments_are_pinned_bit_for_bit() {
         }
     }
     // One row (decode): wide values too (the row is a wide-span row).
-    let acc = product(2, k, n, 12, Kernel::Scalar, 1);
+    let (acc, _) = product(2, k, n, 12, Kernel::Scalar, 1);
     let one = Accumulators {
         rows: 1,
         cols: n,
@@ -165,10 +179,16 @@ fn gemm_commitments_are_pinned_bit_for_bit() {
             .unwrap();
         assert_eq!(got, one, "{kernel}");
         assert_eq!(pins(&got), DECODE.map(String::from), "{kernel}");
+        let g = Gemm::new(kernel, 1).unwrap();
+        assert_eq!(
+            g.commit_from(&y, (1, n), 5, 5),
+            commit_gemm_at(&got, 5),
+            "{kernel}"
+        );
     }
 }
 
-const EXACT_LEAF: &str = "5628ef5a882b0cc5ce8b96ac94dfff2e23a177d89871b89aa34345aab1300fa3";
+const EXACT_LEAF: &str = "757a57ae62320eb3954b8e5df1d874bd0063daf354b697d56aa88d31f998608d";
 const EXACT_ENCODING: &str = "3cfd3a956b6e1307e31b3e6e13ea57e06f82ab29f655dab4698450ba8f2735e7";
 
 #[test]
@@ -198,9 +218,9 @@ fn exact_row_leaves_and_encodings_are_pinned() {
     assert_eq!(exact_row_leaf(0, &[]).to_hex(), EMPTY_LEAF);
 }
 
-const EMPTY_LEAF: &str = "c49e6b28a8d61020a07ceebb85dfa11f82dde05feaafb23834a30e1e39b555d1";
+const EMPTY_LEAF: &str = "12f4909e4b66c45c0fae352478c0c029732325102954eb58411035cadd79439f";
 
-// ---- The fast encoders against the plain definitions, value by value. ----
+// ---- The fast encoders and leaves against the plain definitions, value by value. ----
 
 /// The plain definition of a row's encoding: every value through `encode_exact`.
 fn plain_row(acc: &Accumulators, row: usize) -> Vec<u8> {
@@ -211,11 +231,20 @@ fn plain_row(acc: &Accumulators, row: usize) -> Vec<u8> {
     out
 }
 
-fn plain_leaf(position: usize, cols: usize, encoding: &[u8]) -> Commitment {
+/// The plain definition of a row's leaf: position, column count, then each value rounded to
+/// f32 (infinity past the f32 range) as little-endian bytes.
+fn plain_leaf(position: usize, values: &[Exact]) -> Commitment {
     let mut bytes = (position as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(&(cols as u64).to_le_bytes());
-    bytes.extend_from_slice(encoding);
-    Domain::GemmRow.hash(&bytes)
+    bytes.extend_from_slice(&(values.len() as u64).to_le_bytes());
+    for v in values {
+        let f = v.to_f32().unwrap_or(f32::INFINITY);
+        bytes.extend_from_slice(&f.to_le_bytes());
+    }
+    Domain::ProductRow.hash(&bytes)
+}
+
+fn row_values(acc: &Accumulators, row: usize) -> Vec<Exact> {
+    (0..acc.cols).map(|c| acc.get(row, c)).collect()
 }
 
 fn wide_value() -> impl Strategy<Value = Exact> {
@@ -286,17 +315,19 @@ proptest! {
             let mut want = prefix.clone();
             want.extend_from_slice(&plain_row(&acc, r));
             prop_assert_eq!(&got, &want);
-            prop_assert_eq!(row_leaf_at(&acc, r, first), plain_leaf(first + r, acc.cols, &plain_row(&acc, r)));
+            prop_assert_eq!(row_leaf_at(&acc, r, first), plain_leaf(first + r, &row_values(&acc, r)));
         }
         let from = first + skip;
         let leaves: Vec<Commitment> = (skip.min(acc.rows)..acc.rows)
-            .map(|r| plain_leaf(first + r, acc.cols, &plain_row(&acc, r)))
+            .map(|r| plain_leaf(first + r, &row_values(&acc, r)))
             .collect();
         let want = gemm_commitment(leaves.len(), acc.cols, &merkle_root(&leaves));
         prop_assert_eq!(commit_gemm_from(&acc, first, from), want);
+        // The same from the rows' roundings hashed on any number of threads.
+        let out: Vec<f32> = (0..acc.rows).flat_map(|r| rounded_row(&acc, r)).collect();
         for threads in [1, 2, 3] {
             let g = Gemm::new(Kernel::Scalar, threads).unwrap();
-            prop_assert_eq!(g.commit_from(&acc, first, from), want);
+            prop_assert_eq!(g.commit_from(&out, (acc.rows, acc.cols), first, from), want);
         }
     }
 
@@ -315,7 +346,14 @@ proptest! {
         prop_assert_eq!(&got, &want);
         prop_assert_eq!(
             exact_row_leaf(position as usize, &values),
-            plain_leaf(position as usize, values.len(), &want[prefix.len()..])
+            plain_leaf(position as usize, &values)
         );
+        // A revealed encoding opens to the same leaf (when it decodes: a value past the f32
+        // range is refused).
+        let opened = leaf_of_encoding(position as usize, values.len(), &want[prefix.len()..]);
+        match values.iter().all(|v| v.to_f32().is_some()) {
+            true => prop_assert_eq!(opened, Ok(plain_leaf(position as usize, &values))),
+            false => prop_assert!(opened.is_err()),
+        }
     }
 }

@@ -4,9 +4,11 @@
 use std::path::PathBuf;
 
 use dc_kernels::commit::{
-    commit_gemm, gemm_commitment, merkle_proof, merkle_root, row_leaf, row_leaves, verify_merkle,
+    commit_gemm, gemm_commitment, merkle_proof, merkle_root, product_row_leaf, row_leaf,
+    row_leaves, verify_merkle,
 };
 use dc_kernels::conformance::{matrix, Style};
+use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::rng::SplitMix64;
 use dc_kernels::{golden, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 
@@ -68,16 +70,43 @@ fn one_row_is_checkable_alone_and_any_change_is_caught() {
         let proof = merkle_proof(&leaves, r);
         assert!(verify_merkle(&root, &row_leaf(&acc, r), r, m, &proof));
     }
-    // Flip one accumulator: its row leaf and the GEMM commitment change.
-    let mut bad = acc.clone();
-    bad.slots[4 * n + 3].mant ^= 2;
-    assert_ne!(row_leaf(&bad, 4), leaves[4]);
+    // Change one output of row 4 by one bit: its row leaf and the GEMM commitment change.
+    let leaf = |out: &[f32], r: usize| product_row_leaf(r, &out[r * n..(r + 1) * n]);
+    assert_eq!(
+        leaf(&y, 4),
+        leaves[4],
+        "the leaf hashes what the product wrote"
+    );
+    let mut lie = y.clone();
+    lie[4 * n + 3] = f32::from_bits(lie[4 * n + 3].to_bits() ^ 1);
+    assert_ne!(leaf(&lie, 4), leaves[4]);
     assert!(!verify_merkle(
         &root,
-        &row_leaf(&bad, 4),
+        &leaf(&lie, 4),
         4,
         m,
         &merkle_proof(&leaves, 4)
     ));
+    let lied: Vec<_> = (0..m).map(|r| leaf(&lie, r)).collect();
+    assert_ne!(
+        gemm_commitment(m, n, &merkle_root(&lied)),
+        commit_gemm(&acc)
+    );
+    // An accumulator changed so that its rounding changes (its sign): the leaf changes too.
+    let mut bad = acc.clone();
+    let c = (0..n).find(|&c| bad.slots[4 * n + c].mant != 0).unwrap();
+    bad.slots[4 * n + c].mant = -bad.slots[4 * n + c].mant;
+    assert_ne!(row_leaf(&bad, 4), leaves[4]);
     assert_ne!(commit_gemm(&bad), commit_gemm(&acc));
+    // One changed too little to move its rounding keeps the leaf (the commitment binds the
+    // outputs), but is no longer the product: Freivalds' test of the revealed row refuses it.
+    let key = FreivaldsKey::new(&qw, &[9; 32]);
+    assert!(key.check_row(&qx, 4, &acc));
+    let mut quiet = acc.clone();
+    let c = (0..n)
+        .find(|&c| quiet.slots[4 * n + c].mant.unsigned_abs() >= 1 << 40)
+        .expect("a wide-span row has long mantissas");
+    quiet.slots[4 * n + c].mant ^= 2;
+    assert_eq!(row_leaf(&quiet, 4), leaves[4]);
+    assert!(!key.check_row(&qx, 4, &quiet));
 }

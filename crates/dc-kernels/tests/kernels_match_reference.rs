@@ -360,7 +360,8 @@ fn stored_packings_that_break_the_layout_rules_are_refused_even_with_a_good_chec
 proptest! {
     #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 
-    /// Committing on the engine's threads gives the serial commitment, for every starting row.
+    /// Committing the rows a product wrote, on the engine's threads, gives the commitment of
+    /// its exact accumulators' roundings, for every starting row.
     #[test]
     fn parallel_commitments_equal_serial_ones(
         m in 1usize..40,
@@ -381,7 +382,7 @@ proptest! {
             let acc = g.matmul_exact(&qx, &qw, &mut y).unwrap();
             let from = first + skip;
             prop_assert_eq!(
-                g.commit_from(&acc, first, from),
+                g.commit_from(&y, (m, n), first, from),
                 dc_kernels::commit::commit_gemm_from(&acc, first, from),
                 "{} threads", threads
             );
@@ -403,10 +404,11 @@ proptest! {
         let mut y = vec![0f32; n];
         let one = Gemm::new(Kernel::best(), 1).unwrap();
         let acc = one.matmul_exact(&qx, &qw, &mut y).unwrap();
-        let want = one.commit_leaves_from(&acc, 7, 7);
+        let want = one.commit_leaves_from(&y, (1, n), 7, 7);
+        prop_assert_eq!(want.0, dc_kernels::commit::commit_gemm_at(&acc, 7));
         for threads in [2, 3] {
             let g = Gemm::new(Kernel::best(), threads).unwrap();
-            prop_assert_eq!(&g.commit_leaves_from(&acc, 7, 7), &want, "{} threads", threads);
+            prop_assert_eq!(&g.commit_leaves_from(&y, (1, n), 7, 7), &want, "{} threads", threads);
         }
     }
 }

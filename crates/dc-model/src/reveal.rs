@@ -13,9 +13,11 @@
 
 use std::sync::Arc;
 
-use dc_kernels::commit::{merkle_proof, merkle_root, row_leaf_at};
+use dc_kernels::commit::{merkle_proof, merkle_root, product_row_leaf, row_leaf_at};
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_for_check, leaf_of_encoding, row_encoding, Decode, Opening};
+use dc_kernels::reveal::{
+    decode_f32_row, decode_for_check, f32_row_bytes, row_encoding, CheckedRow, Decode, Opening,
+};
 use dc_kernels::{Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
@@ -31,13 +33,13 @@ pub(crate) enum Kept {
     /// A weight product's exact accumulators and its rows' leaves.
     Gemm(KeptProduct),
     /// Only the rows' Merkle leaves (the attention products: a checker recomputes their rows,
-    /// so a reveal carries just the root and the path), and for the context each row's
-    /// encoding (`rows`, empty for the scores), revealed when a check takes the context as the
-    /// output projection's input instead of recomputing it.
+    /// so a reveal carries just the root and the path), and for the context each row's values
+    /// (`rows`, empty for the scores), revealed when a check takes the context as the output
+    /// projection's input instead of recomputing it.
     Leaves {
         cols: usize,
         leaves: Vec<Commitment>,
-        rows: Vec<Vec<u8>>,
+        rows: Vec<Vec<f32>>,
     },
 }
 
@@ -46,7 +48,7 @@ impl Kept {
         match self {
             Kept::Gemm(k) => k.acc.slots.len() * 16 + k.acc.wide.len() * 64 + k.leaves.len() * 32,
             Kept::Leaves { leaves, rows, .. } => {
-                leaves.len() * 32 + rows.iter().map(Vec::len).sum::<usize>()
+                leaves.len() * 32 + rows.iter().map(|r| r.len() * 4).sum::<usize>()
             }
         }
     }
@@ -70,12 +72,7 @@ impl Kept {
                 // always does for a stage's own hop); otherwise hashed again.
                 let leaves: Vec<Commitment> = match leaves.len() == acc.rows {
                     true => leaves.clone(),
-                    false => (0..acc.rows)
-                        .map(|r| match r == index {
-                            true => leaf_of_encoding(first + r, acc.cols, &encoding),
-                            false => row_leaf_at(acc, r, first),
-                        })
-                        .collect(),
+                    false => (0..acc.rows).map(|r| row_leaf_at(acc, r, first)).collect(),
                 };
                 (acc.cols, leaves, encoding)
             }
@@ -84,7 +81,7 @@ impl Kept {
                     return None;
                 }
                 let encoding = match values {
-                    true => rows.get(index)?.clone(),
+                    true => f32_row_bytes(rows.get(index)?),
                     false => Vec::new(),
                 };
                 (*cols, leaves.clone(), encoding)
@@ -696,31 +693,39 @@ impl LayerChecker {
                 attention.push((e.point, opening));
                 continue;
             }
-            if row.cols as usize != cols || !opening.holds() {
-                return Err(format!(
+            let opens = || {
+                format!(
                     "layer {l}: the {:?} row at position {pos} does not open its commitment",
                     e.point
-                ));
+                )
+            };
+            if row.cols as usize != cols {
+                return Err(opens());
             }
-            // A tested product's residues now (Freivalds); every row's rounded values when
-            // the glue computes on them (see `Revealed::linear`).
-            let residues = match checks.contains(e.point) {
-                true => {
+            // Every opened row's rounded values (its leaf hashes them, and the glue computes
+            // on them), and a tested product's residues (Freivalds). The context row travels
+            // as its f32 outputs: no accumulators stand behind it here.
+            let decoded = match e.point {
+                Point::Context => decode_f32_row(&row.encoding, cols).map(|rounded| CheckedRow {
+                    residues: Vec::new(),
+                    rounded,
+                }),
+                _ => {
                     let want = Decode {
-                        residues: true,
-                        rounded: false,
+                        residues: checks.contains(e.point),
+                        rounded: true,
                     };
                     decode_for_check(&row.encoding, cols, want)
-                        .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?
-                        .residues
                 }
-                false => Vec::new(),
-            };
+            }
+            .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
+            if !opening.holds_for(&product_row_leaf(pos, &decoded.rounded)) {
+                return Err(opens());
+            }
             values.push(RevealedValues {
                 point: e.point,
-                cols,
-                encoding: &row.encoding,
-                residues,
+                rounded: decoded.rounded,
+                residues: decoded.residues,
             });
         }
         // Every row the checks need that the layer has was committed and revealed.
@@ -952,7 +957,7 @@ struct Revealed<'a, 'c> {
     /// What is tested; a product outside it is only supplied (from its revealed row when some
     /// tested part needs it, as zeros otherwise: nothing tested depends on those).
     checks: CheckSet,
-    values: Vec<RevealedValues<'a>>,
+    values: Vec<RevealedValues>,
     /// The revealed cache of the positions before the checked one.
     cache: &'c mut LayerCache,
     /// The revealed cache row of the checked position.
@@ -965,33 +970,18 @@ struct Revealed<'a, 'c> {
     tested: CheckSet,
 }
 
-/// A revealed row of a product the check needs: its encoding (opened against the
-/// commitment) and, when the product is tested, its values modulo p.
-struct RevealedValues<'a> {
+/// A revealed row of a product the check needs, opened against the commitment: its values
+/// rounded as the stage's epilogue rounded them and, when the product is tested, its exact
+/// values modulo p.
+struct RevealedValues {
     point: Point,
-    cols: usize,
-    encoding: &'a [u8],
+    rounded: Vec<f32>,
     residues: Vec<u64>,
-}
-
-impl RevealedValues<'_> {
-    /// The row's values rounded as the stage's epilogue rounded them.
-    fn rounded(&self, layer: usize) -> Result<Vec<f32>> {
-        let want = Decode {
-            residues: false,
-            rounded: true,
-        };
-        decode_for_check(self.encoding, self.cols, want)
-            .map(|row| row.rounded)
-            .map_err(|why| {
-                ModelError::Input(format!("layer {layer}: the {:?} row: {why}", self.point))
-            })
-    }
 }
 
 impl Revealed<'_, '_> {
     /// The revealed row of `point`, if revealed.
-    fn row(&self, point: Point) -> Option<&RevealedValues<'_>> {
+    fn row(&self, point: Point) -> Option<&RevealedValues> {
         self.values.iter().find(|v| v.point == point)
     }
 
@@ -1001,7 +991,7 @@ impl Revealed<'_, '_> {
     fn committed_context(&self, width: usize) -> Result<Vec<f32>> {
         let layer = self.checker.layer;
         let ctx = match self.row(Point::Context) {
-            Some(row) => row.rounded(layer)?,
+            Some(row) => row.rounded.clone(),
             None => vec![0.0; width],
         };
         if ctx.len() != width {
@@ -1044,18 +1034,14 @@ impl Products for Revealed<'_, '_> {
             )));
         }
         // Once every drawn part is tested nothing depends on this output: a stand-in.
-        let rounded = match needed_after {
-            true => Some(row.rounded(layer)?),
-            false => None,
-        };
-        self.tested = tested;
-        match rounded {
-            Some(r) => {
-                out.extend_from_slice(&r);
+        match needed_after {
+            true => {
+                out.extend_from_slice(&row.rounded);
                 add_bias(bias, out);
             }
-            None => out.resize(key.cols(), 0.0),
+            false => out.resize(key.cols(), 0.0),
         }
+        self.tested = tested;
         Ok(())
     }
 

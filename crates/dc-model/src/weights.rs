@@ -35,9 +35,9 @@ impl Linear {
         self.forward_committed(gemm, x, out, None).map(|_| ())
     }
 
-    /// [`Linear::forward`], also committing to the exact accumulators when `commit` gives
-    /// `(first, from)`: the absolute position of the first row, and the first position to
-    /// commit.
+    /// [`Linear::forward`], also committing to the product's output rows (its exact
+    /// accumulators rounded once to f32, before the bias) when `commit` gives `(first, from)`:
+    /// the absolute position of the first row, and the first position to commit.
     pub fn forward_committed(
         &self,
         gemm: &Gemm,
@@ -50,7 +50,8 @@ impl Linear {
     }
 
     /// [`Linear::forward_committed`], also handing back the exact accumulators when `keep` (a
-    /// stage keeps them to reveal rows of the product later).
+    /// stage keeps them to reveal rows of the product later). Only keeping needs the exact
+    /// kernel: a commitment alone hashes what the plain product wrote.
     pub fn forward_kept(
         &self,
         gemm: &Gemm,
@@ -61,16 +62,19 @@ impl Linear {
     ) -> Result<(Option<dc_kernels::Commitment>, Option<KeptProduct>)> {
         out.clear();
         out.resize(x.rows() * self.w.n(), 0.0);
+        let acc = match commit.is_some() && keep {
+            true => Some(gemm.matmul_exact(x, &self.w, out)?),
+            false => {
+                gemm.matmul(x, &self.w, out)?;
+                None
+            }
+        };
         let kept = match commit {
             Some((first, from)) => {
-                let acc = gemm.matmul_exact(x, &self.w, out)?;
-                let (c, leaves) = gemm.commit_leaves_from(&acc, first, from);
-                (Some(c), keep.then_some(KeptProduct { acc, leaves }))
+                let (c, leaves) = gemm.commit_leaves_from(out, (x.rows(), self.w.n()), first, from);
+                (Some(c), acc.map(|acc| KeptProduct { acc, leaves }))
             }
-            None => {
-                gemm.matmul(x, &self.w, out)?;
-                (None, None)
-            }
+            None => (None, None),
         };
         add_bias(self.bias.as_deref(), out);
         Ok(kept)

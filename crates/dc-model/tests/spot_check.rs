@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use dc_kernels::commit::gemm_commitment;
+use dc_kernels::commit::{gemm_commitment, product_row_leaf};
 use dc_kernels::reveal::{decode_row, leaf_of_encoding, values_encoding};
 use dc_kernels::{Exact, Gemm, Kernel};
 use dc_model::attention::LayerCache;
@@ -255,7 +255,7 @@ fn honest_reveals_pass_for_every_layer_and_row() {
 fn recommit(trace: &mut HopTrace, reveal: &mut LayerReveal, point: Point, values: &[Exact]) {
     let row = reveal.rows.iter_mut().find(|r| r.point == point).unwrap();
     row.encoding = values_encoding(values);
-    row.root = leaf_of_encoding(reveal.position as usize, values.len(), &row.encoding);
+    row.root = leaf_of_encoding(reveal.position as usize, values.len(), &row.encoding).unwrap();
     let c = gemm_commitment(1, values.len(), &row.root);
     let e = trace
         .entries
@@ -292,7 +292,7 @@ fn lies_in_a_reveal_are_refused() {
             if matches!(point, Point::Scores | Point::Context) {
                 // An attention row other than the recomputed one, committed consistently.
                 let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
-                row.root = leaf_of_encoding(pos, 1, &[7; 12]);
+                row.root = product_row_leaf(pos, &[7.0]);
                 let cols = row.cols as usize;
                 let root = row.root;
                 set(&mut t, c.layer(), point, gemm_commitment(1, cols, &root));
@@ -349,10 +349,17 @@ fn lies_in_a_reveal_are_refused() {
                 "{name} {point:?}: {} rows left",
                 cache.len()
             );
-            // The honest row against a commitment it does not open.
+            // Another row against the honest commitment: one value's sign changed, so its
+            // rounding (what the leaf hashes) changes. (A change too small to move a rounding
+            // opens the commitment and fails Freivalds' test: the consistent lie above.)
             let mut r = honest.clone();
             let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
-            row.encoding[0] ^= 1;
+            let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
+            let i = values.iter().position(|v| !v.is_zero()).unwrap();
+            if let Exact::Small { mant, exp } = values[i] {
+                values[i] = Exact::from_i64(-mant, exp);
+            }
+            row.encoding = values_encoding(&values);
             let err = c
                 .check(&model, &view, &empty(&model), &r, every(&model))
                 .unwrap_err();
@@ -615,7 +622,7 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
                 Point::Scores | Point::Context => {
                     // An attention row other than the recomputed one, committed consistently.
                     let row = r.rows.iter_mut().find(|x| x.point == part).unwrap();
-                    row.root = leaf_of_encoding(pos, 1, &[7; 12]);
+                    row.root = product_row_leaf(pos, &[7.0]);
                     let (cols, root) = (row.cols as usize, row.root);
                     set(&mut t, c.layer(), part, gemm_commitment(1, cols, &root));
                     "recomputed from the revealed cache"
@@ -797,7 +804,7 @@ fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
         }
         r.rows[bad].encoding = values_encoding(&values);
         let leaves: Vec<_> = (0..rows)
-            .map(|i| leaf_of_encoding(from + i, cols, &r.rows[at(&r, i)].encoding))
+            .map(|i| leaf_of_encoding(from + i, cols, &r.rows[at(&r, i)].encoding).unwrap())
             .collect();
         let root = merkle_root(&leaves);
         for i in 0..rows {

@@ -19,4 +19,6 @@ pub use wire::{decode, encode, WireError};
 /// 2: traces commit each layer's new KV cache rows; reveals carry the cache; cached audits.
 /// 3: several hops' reveals in one exchange (`StageRequest::RevealHops`).
 /// 4: a pick reveals a layer at several consecutive rows (`RevealPick::positions`).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// 5: a product's row leaf hashes its f32 outputs, not its exact accumulators' encoding (a
+///    revealed row still carries the accumulators); a revealed context row is its f32 values.
+pub const PROTOCOL_VERSION: u32 = 5;

@@ -297,7 +297,9 @@ pub struct RevealedRow {
     pub point: crate::trace::Point,
     /// Values in the row.
     pub cols: u32,
-    /// The row's canonical encoding (NUMERICS.md §5), as one block of bytes like `cache`.
+    /// A weight product's row: the canonical encoding of its exact accumulators (NUMERICS.md
+    /// §5; its leaf hashes their f32 roundings). The attention context's row: its f32 values,
+    /// little-endian. As one block of bytes like `cache`.
     #[serde(with = "serde_bytes")]
     pub encoding: Vec<u8>,
     /// The Merkle root of the product's rows.

@@ -192,27 +192,35 @@ impl Gemm {
         })
     }
 
-    /// [`crate::commit::commit_gemm_from`], hashing the rows on this engine's threads (a
+    /// [`crate::commit::commit_rows_from`] of a `(rows, cols)` output, hashing the rows on this
+    /// engine's threads (a
     /// prefill commits many rows; the result does not depend on the thread count).
-    pub fn commit_from(&self, acc: &Accumulators, first: usize, from: usize) -> crate::Commitment {
-        self.commit_leaves_from(acc, first, from).0
+    pub fn commit_from(
+        &self,
+        out: &[f32],
+        shape: (usize, usize),
+        first: usize,
+        from: usize,
+    ) -> crate::Commitment {
+        self.commit_leaves_from(out, shape, first, from).0
     }
 
     /// [`Self::commit_from`] with the committed rows' leaves (a stage keeps them to open a row
     /// later without hashing it again).
     pub fn commit_leaves_from(
         &self,
-        acc: &Accumulators,
+        out: &[f32],
+        shape: (usize, usize),
         first: usize,
         from: usize,
     ) -> (crate::Commitment, Vec<crate::Commitment>) {
         let leaves = match &self.pool {
-            Some(pool) if acc.rows > 1 => {
-                pool.install(|| crate::commit::row_leaves_from_par(acc, first, from))
+            Some(pool) if shape.0 > 1 => {
+                pool.install(|| crate::commit::product_leaves_from_par(out, shape, first, from))
             }
-            _ => crate::commit::row_leaves_from(acc, first, from),
+            _ => crate::commit::product_leaves_from(out, shape, first, from),
         };
-        (crate::commit::commit_leaves(acc, &leaves), leaves)
+        (crate::commit::commit_leaves(shape.1, &leaves), leaves)
     }
 
     /// The kernel in use.
