@@ -804,16 +804,16 @@ impl LayerChecker {
         Ok(())
     }
 
-    /// Checks the revealed cache rows against every hop's `KvCache` commitment, extends
-    /// `cache` (the rows known so far) to the positions before the checked one and returns the
-    /// checked position's row.
-    fn cache_rows<'r>(
+    /// Checks the revealed cache rows against every hop's `KvCache` commitment and extends
+    /// `cache` (the rows known so far) to the positions before the checked one (each checked
+    /// row then takes its own revealed row and appends it).
+    fn cache_rows(
         &self,
         cfg: &crate::ModelConfig,
         hops: &[(&HopTrace, usize)],
         cache: &mut LayerCache,
-        reveal: &'r LayerReveal,
-    ) -> std::result::Result<&'r [u8], String> {
+        reveal: &LayerReveal,
+    ) -> std::result::Result<(), String> {
         let (l, pos, from) = (self.layer, reveal.position as usize, cache.len());
         check_cache_rows(cfg, l, hops, from, &reveal.cache)?;
         let rb = cache.row_bytes();
@@ -824,8 +824,7 @@ impl LayerChecker {
         }
         cache
             .extend_encoded(&reveal.cache[..(pos - from) * rb])
-            .map_err(|e| format!("layer {l}: {e}"))?;
-        Ok(&reveal.cache[(pos - from) * rb..(pos - from + 1) * rb])
+            .map_err(|e| format!("layer {l}: {e}"))
     }
 
     fn key(&self, point: Point) -> Option<(&FreivaldsKey, Option<&[f32]>)> {
