@@ -114,7 +114,7 @@ async fn hop_on(
             )))
         }
     };
-    let signer = dc_net::signing::verify("hop", &record)
+    let signer = dc_net::signing::verify(dc_types::HOP_RECORD_KIND, &record)
         .map_err(|e| format!("peer {peer}: bad hop record: {e}"))?;
     if signer.to_string() != peer {
         return Err(Stop::Failed(format!(

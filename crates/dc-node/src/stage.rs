@@ -372,7 +372,7 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
                 output: y.commitment(),
                 gemms: trace.root(),
             };
-            match dc_net::signing::sign(&node.keypair, "hop", record) {
+            match dc_net::signing::sign(&node.keypair, dc_types::HOP_RECORD_KIND, record) {
                 Ok(record) => HopResponse::Done {
                     activations: to_wire(&y),
                     record,

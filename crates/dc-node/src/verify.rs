@@ -171,8 +171,8 @@ pub fn verify_proof(
     }
     let first = &p.records[0].body;
     for r in &p.records {
-        let signer =
-            dc_net::signing::verify("hop", r).map_err(|e| format!("a record's signature: {e}"))?;
+        let signer = dc_net::signing::verify(dc_types::HOP_RECORD_KIND, r)
+            .map_err(|e| format!("a record's signature: {e}"))?;
         if signer.to_string() != p.accused {
             return Err(format!(
                 "a record is signed by {signer}, not the accused {}",

@@ -69,7 +69,7 @@ fn run_stage(
             gemms: t.root(),
         };
         log.records
-            .push(dc_net::signing::sign(key, "hop", record).unwrap());
+            .push(dc_net::signing::sign(key, dc_types::HOP_RECORD_KIND, record).unwrap());
         log.inputs.push(x);
         log.traces.push(t);
         pos += len;
@@ -196,6 +196,14 @@ fn forged_proofs_are_rejected_and_honest_stages_cannot_be_accused() {
     assert!(check(&f)
         .unwrap_err()
         .contains("not what the accused committed to"));
+    // Records signed under another protocol's commitments (kind "hop", protocol 4 and
+    // before): an honest peer's old records must not pass as lies against this protocol's
+    // leaves, so they do not verify at all.
+    let mut f = p.clone();
+    for r in &mut f.records {
+        *r = dc_net::signing::sign(&key, "hop", r.body.clone()).unwrap();
+    }
+    assert!(check(&f).unwrap_err().contains("signature"));
     // Wrong signer: the records are someone else's.
     let mut f = p.clone();
     f.accused = Keypair::generate_ed25519()

@@ -100,7 +100,7 @@ pub struct HopRecord {
     pub input: Commitment,
     /// Commitment to the output activations.
     pub output: Commitment,
-    /// Root of the per-GEMM accumulator commitments (zero when not computed).
+    /// Root of the per-GEMM commitments (zero when not computed).
     pub gemms: Commitment,
 }
 

@@ -1,5 +1,5 @@
 //! What a stage commits to for one hop: a commitment to every exact product it ran (each GEMM's
-//! accumulators, both attention products) and to the activations entering every layer, in a
+//! output rows, both attention products') and to the activations entering every layer, in a
 //! fixed order, under one Merkle root that goes into the signed hop record.
 //!
 //! The order is the computation's: for each layer, its input activations, then q, k, v, the
