@@ -364,8 +364,8 @@ pub struct BenchGemmArgs {
     #[arg(long, value_delimiter = ',')]
     pub shapes: Option<Vec<String>>,
     /// Also measure what a stage's commitment adds to each product: keeping the exact
-    /// accumulators, and hashing them (row encodings, blake3 leaves, Merkle root), each as a
-    /// share of the plain product measured in the same run.
+    /// accumulators (for reveals), and hashing the output rows (blake3 leaves, Merkle root),
+    /// each as a share of the plain product measured in the same run.
     #[arg(long)]
     pub commit: bool,
 }
