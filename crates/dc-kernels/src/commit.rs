@@ -267,9 +267,9 @@ fn update_f32(h: &mut blake3::Hasher, values: &[f32]) {
 }
 
 /// The Merkle leaf of one output row of a product at absolute sequence `position`:
-/// `H_row(position: u64 LE, columns: u64 LE, the row's values as f32 LE)`, the values being the
-/// exact accumulators rounded once to f32 (NUMERICS.md §3, before any bias), bit for bit what
-/// the product hands on. The leaf names the position, so the rows of one hop can be checked
+/// `H_product_row(position: u64 LE, columns: u64 LE, the row's values as f32 LE)`, the values
+/// being the exact accumulators rounded once to f32 (NUMERICS.md §3, before any bias), bit for
+/// bit what the product hands on. The leaf names the position, so the rows of one hop can be checked
 /// against a recomputation over a longer sequence.
 pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
     let mut h = Domain::ProductRow.hasher();
@@ -279,36 +279,47 @@ pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
     Commitment(*h.finalize().as_bytes())
 }
 
-/// The leaves of the `rows` rows of `out` (`cols` values each, the first row at position
-/// `first`) from position `from` on: what a product's commitment covers.
-pub fn product_leaves_from(
+/// The rows of the `(rows, cols)` output `out` (the first row at position `first`) that a
+/// commitment from position `from` covers, and the leaf of one of them.
+fn committed_rows(
     out: &[f32],
     (rows, cols): (usize, usize),
     first: usize,
     from: usize,
-) -> Vec<Commitment> {
+) -> (
+    std::ops::Range<usize>,
+    impl Fn(usize) -> Commitment + Sync + '_,
+) {
     assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
     let skip = from.saturating_sub(first).min(rows);
-    (skip..rows)
-        .map(|r| product_row_leaf(first + r, &out[r * cols..(r + 1) * cols]))
-        .collect()
+    (skip..rows, move |r| {
+        product_row_leaf(first + r, &out[r * cols..(r + 1) * cols])
+    })
+}
+
+/// The leaves of the rows of the `(rows, cols)` output `out` (the first row at position
+/// `first`) from position `from` on: what a product's commitment covers.
+pub fn product_leaves_from(
+    out: &[f32],
+    shape: (usize, usize),
+    first: usize,
+    from: usize,
+) -> Vec<Commitment> {
+    let (rows, leaf) = committed_rows(out, shape, first, from);
+    rows.map(leaf).collect()
 }
 
 /// [`product_leaves_from`] with the rows hashed in parallel on the current rayon pool; the
 /// leaves keep their order.
 pub(crate) fn product_leaves_from_par(
     out: &[f32],
-    (rows, cols): (usize, usize),
+    shape: (usize, usize),
     first: usize,
     from: usize,
 ) -> Vec<Commitment> {
     use rayon::prelude::*;
-    assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
-    let skip = from.saturating_sub(first).min(rows);
-    (skip..rows)
-        .into_par_iter()
-        .map(|r| product_row_leaf(first + r, &out[r * cols..(r + 1) * cols]))
-        .collect()
+    let (rows, leaf) = committed_rows(out, shape, first, from);
+    rows.into_par_iter().map(leaf).collect()
 }
 
 /// The commitment of a product with `cols` values per row from the leaves of its committed
