@@ -328,17 +328,6 @@ pub fn commit_leaves(cols: usize, leaves: &[Commitment]) -> Commitment {
     gemm_commitment(leaves.len(), cols, &merkle_root(leaves))
 }
 
-/// The commitment to the `rows × cols` output `out` (the first row at position `first`) from
-/// position `from` on.
-pub fn commit_rows_from(
-    out: &[f32],
-    shape: (usize, usize),
-    first: usize,
-    from: usize,
-) -> Commitment {
-    commit_leaves(shape.1, &product_leaves_from(out, shape, first, from))
-}
-
 /// Row `row` of `acc` rounded to f32 as the product's epilogue rounds it. A value past the f32
 /// range (which no product hands on: the kernel refuses it) rounds to infinity here, so a leaf
 /// made of it matches no honest one.

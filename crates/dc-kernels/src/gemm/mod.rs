@@ -192,8 +192,8 @@ impl Gemm {
         })
     }
 
-    /// [`crate::commit::commit_rows_from`] of a `(rows, cols)` output, hashing the rows on this
-    /// engine's threads (a
+    /// The commitment to the rows of the `(rows, cols)` output `out` (the first row at position
+    /// `first`) from position `from` on, hashing the rows on this engine's threads (a
     /// prefill commits many rows; the result does not depend on the thread count).
     pub fn commit_from(
         &self,
