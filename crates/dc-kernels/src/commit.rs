@@ -162,20 +162,6 @@ pub fn encode_exact(value: &Exact, out: &mut Vec<u8>) {
     }
 }
 
-/// Appends the canonical encoding of `sum · 2^exp` (what [`encode_exact`] gives for
-/// `Exact::from_i64(sum, exp)`, without building the value).
-#[inline]
-pub fn encode_sum(sum: i64, exp: i32, out: &mut Vec<u8>) {
-    let (mant, exp) = match sum {
-        0 => (0, 0),
-        _ => {
-            let tz = sum.trailing_zeros();
-            (sum >> tz, exp + tz as i32)
-        }
-    };
-    out.extend_from_slice(&small_bytes(mant, exp));
-}
-
 /// The 12-byte encoding of a small value: `mant: i64 LE, exp: i32 LE`.
 #[inline]
 fn small_bytes(mant: i64, exp: i32) -> [u8; 12] {
@@ -505,23 +491,6 @@ mod tests {
                     assert!(!verify_merkle(&root, &l[i], (i + 1) % n, n, &proof));
                 }
             }
-        }
-    }
-
-    #[test]
-    fn a_sum_encodes_as_its_canonical_value() {
-        for (sum, exp) in [
-            (0i64, 5),
-            (6, -3),
-            (-8, 2),
-            (i64::MIN, -70),
-            (i64::MAX, 9),
-            (1, 0),
-        ] {
-            let (mut fast, mut slow) = (Vec::new(), Vec::new());
-            encode_sum(sum, exp, &mut fast);
-            encode_exact(&Exact::from_i64(sum, exp), &mut slow);
-            assert_eq!(fast, slow, "{sum} · 2^{exp}");
         }
     }
 
