@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::exact::Exact;
 use crate::gemm::{Accumulators, Slot};
+use crate::hash_many::Messages;
 
 /// A 32-byte blake3 commitment.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
@@ -234,22 +235,21 @@ pub fn encode_row(acc: &Accumulators, row: usize, out: &mut Vec<u8>) {
 
 /// Feeds `values` to `h` as their little-endian f32 bytes.
 fn update_f32(h: &mut blake3::Hasher, values: &[f32]) {
+    h.update(&f32_le_bytes(values));
+}
+
+/// `values` as f32 LE bytes: borrowed where that is their layout in memory.
+fn f32_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
     {
         // SAFETY: an f32 is 4 bytes with no padding, and on a little-endian machine its bytes
         // in memory are its little-endian bytes; the slice covers exactly `values`.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
-        h.update(bytes);
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4)
+        })
     }
     #[cfg(not(target_endian = "little"))]
-    for part in values.chunks(256) {
-        let mut buf = [0u8; 1024];
-        for (b, v) in buf.chunks_exact_mut(4).zip(part) {
-            b.copy_from_slice(&v.to_le_bytes());
-        }
-        h.update(&buf[..part.len() * 4]);
-    }
+    std::borrow::Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
 /// The Merkle leaf of one output row of a product at absolute sequence `position`:
@@ -265,47 +265,71 @@ pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
     Commitment(*h.finalize().as_bytes())
 }
 
-/// The rows of the `(rows, cols)` output `out` (the first row at position `first`) that a
-/// commitment from position `from` covers, and the leaf of one of them.
-fn committed_rows(
-    out: &[f32],
-    (rows, cols): (usize, usize),
-    first: usize,
-    from: usize,
-) -> (
-    std::ops::Range<usize>,
-    impl Fn(usize) -> Commitment + Sync + '_,
-) {
-    assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
-    let skip = from.saturating_sub(first).min(rows);
-    (skip..rows, move |r| {
-        product_row_leaf(first + r, &out[r * cols..(r + 1) * cols])
-    })
+/// Product output rows whose leaves are wanted, queued to be hashed together
+/// ([`crate::hash_many`]: short rows hashed one at a time leave BLAKE3's SIMD idle): a
+/// prefill's rows of one product, or a decode step's rows of every product of a layer. The
+/// leaves are [`product_row_leaf`]'s, bit for bit (tested).
+#[derive(Clone, Debug, Default)]
+pub struct LeafBatch {
+    messages: Messages,
+    /// Per queued product: its columns and its number of committed rows.
+    products: Vec<(usize, usize)>,
 }
 
-/// The leaves of the rows of the `(rows, cols)` output `out` (the first row at position
-/// `first`) from position `from` on: what a product's commitment covers.
-pub fn product_leaves_from(
-    out: &[f32],
-    shape: (usize, usize),
-    first: usize,
-    from: usize,
-) -> Vec<Commitment> {
-    let (rows, leaf) = committed_rows(out, shape, first, from);
-    rows.map(leaf).collect()
-}
+impl LeafBatch {
+    /// Queues the rows of the `(rows, cols)` output `out` (the first row at position `first`)
+    /// from position `from` on: what a product's commitment covers.
+    pub fn queue(&mut self, out: &[f32], (rows, cols): (usize, usize), first: usize, from: usize) {
+        assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
+        let skip = from.saturating_sub(first).min(rows);
+        for r in skip..rows {
+            let values = f32_le_bytes(&out[r * cols..(r + 1) * cols]);
+            self.messages.push(&[
+                &((first + r) as u64).to_le_bytes(),
+                &(cols as u64).to_le_bytes(),
+                &values,
+            ]);
+        }
+        self.products.push((cols, rows - skip));
+    }
 
-/// [`product_leaves_from`] with the rows hashed in parallel on the current rayon pool; the
-/// leaves keep their order.
-pub(crate) fn product_leaves_from_par(
-    out: &[f32],
-    shape: (usize, usize),
-    first: usize,
-    from: usize,
-) -> Vec<Commitment> {
-    use rayon::prelude::*;
-    let (rows, leaf) = committed_rows(out, shape, first, from);
-    rows.into_par_iter().map(leaf).collect()
+    /// The number of products queued.
+    pub fn len(&self) -> usize {
+        self.products.len()
+    }
+
+    /// Whether none is queued.
+    pub fn is_empty(&self) -> bool {
+        self.products.is_empty()
+    }
+
+    /// The number of rows queued, over all products.
+    pub fn rows(&self) -> usize {
+        self.messages.len()
+    }
+
+    /// Each queued product's commitment and the leaves of its committed rows, in the order
+    /// they were queued, hashed on the current rayon pool when `parallel` (the same bits).
+    /// Leaves the batch empty, its buffers kept for the next.
+    pub fn finish(&mut self, parallel: bool) -> Vec<(Commitment, Vec<Commitment>)> {
+        let key = Domain::ProductRow.key();
+        let hashes = match parallel {
+            true => self.messages.keyed_hashes_par(key),
+            false => self.messages.keyed_hashes(key),
+        };
+        let mut hashes = hashes.into_iter().map(Commitment);
+        let done = self
+            .products
+            .iter()
+            .map(|&(cols, rows)| {
+                let leaves: Vec<Commitment> = hashes.by_ref().take(rows).collect();
+                (commit_leaves(cols, &leaves), leaves)
+            })
+            .collect();
+        self.messages.clear();
+        self.products.clear();
+        done
+    }
 }
 
 /// The commitment of a product with `cols` values per row from the leaves of its committed
@@ -528,6 +552,38 @@ mod tests {
         let row1 = [Exact::from_i64(-5, -9), Exact::from_i64(1, 0)];
         assert_eq!(row_leaf_at(&acc, 1, 40), exact_row_leaf(41, &row1));
         assert_ne!(row_leaf_at(&acc, 1, 40), exact_row_leaf(40, &row1));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+        /// Products queued in one batch get, row for row, the leaves [`product_row_leaf`]
+        /// gives each row alone, and the commitment of exactly those leaves, whether the
+        /// batch is hashed in the lanes, one row at a time (too few chunks) or on a pool.
+        #[test]
+        fn a_batch_of_products_has_each_rows_own_leaf(
+            shapes in proptest::collection::vec((1usize..6, 1usize..1600, 0usize..90, 0usize..8), 1..9),
+            parallel in proptest::bool::ANY,
+        ) {
+            let mut batch = LeafBatch::default();
+            let mut want = Vec::new();
+            for (i, &(rows, cols, first, skip)) in shapes.iter().enumerate() {
+                let out: Vec<f32> = (0..rows * cols)
+                    .map(|v| (v as f32 - 700.5) * (i as f32 + 0.25))
+                    .collect();
+                let from = first + skip;
+                batch.queue(&out, (rows, cols), first, from);
+                let leaves: Vec<Commitment> = (from.saturating_sub(first).min(rows)..rows)
+                    .map(|r| product_row_leaf(first + r, &out[r * cols..(r + 1) * cols]))
+                    .collect();
+                want.push((commit_leaves(cols, &leaves), leaves));
+            }
+            proptest::prop_assert_eq!(batch.len(), shapes.len());
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            let got = pool.install(|| batch.finish(parallel));
+            proptest::prop_assert_eq!(got, want);
+            proptest::prop_assert!(batch.is_empty(), "finishing empties the batch");
+        }
     }
 
     #[test]

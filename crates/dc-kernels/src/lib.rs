@@ -18,6 +18,7 @@ pub mod exp;
 pub mod freivalds;
 pub mod gemm;
 pub mod golden;
+pub mod hash_many;
 pub mod int8;
 pub mod pack;
 pub mod quant;

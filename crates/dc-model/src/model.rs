@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
 use dc_kernels::{Commitment, Domain, Gemm, QuantizedRows};
 
@@ -23,7 +24,7 @@ use crate::reveal::{Kept, KeptHop, KeptLayer};
 use crate::source::TensorSource;
 use crate::trace::{HopTrace, Point};
 use crate::weight_cache::WeightCache;
-use crate::weights::{check_range, load_head, load_layer, Head, Layer, Mlp, Norm};
+use crate::weights::{check_range, load_head, load_layer, Head, KeptProduct, Layer, Mlp, Norm};
 
 /// Activations crossing a stage boundary: `rows` consecutive positions starting at `start`,
 /// each a `hidden`-wide f32 row.
@@ -236,12 +237,37 @@ struct Compute<'a> {
     first: Option<(usize, usize)>,
     trace: Option<&'a mut HopTrace>,
     keep: Option<&'a mut KeptLayer>,
+    /// The layer's weight products' committed rows, hashed together when the layer is done
+    /// ([`Compute::finish`]): a decode step's rows are too short to hash well one by one. One
+    /// batch serves every layer of a hop, so its buffers are allocated once.
+    batch: &'a mut LeafBatch,
+    /// Per queued product, its trace entry and, when keeping, its place among the kept.
+    queued: Vec<(usize, Option<usize>)>,
 }
 
 impl Compute<'_> {
     fn record(&mut self, point: Point, c: Option<Commitment>) {
         if let (Some(t), Some(c)) = (self.trace.as_deref_mut(), c) {
             t.push(self.index, point, c);
+        }
+    }
+
+    /// Hashes the queued rows and puts each product's commitment into its trace entry and
+    /// its leaves with what was kept of it.
+    fn finish(&mut self) {
+        if self.batch.is_empty() {
+            return;
+        }
+        // A prefill's rows are worth the engine's threads; a decode step's few are not.
+        let many = self.batch.rows() > 8;
+        let done = self.gemm.finish_leaves(self.batch, many);
+        for ((entry, kept), (c, leaves)) in self.queued.drain(..).zip(done) {
+            if let Some(t) = self.trace.as_deref_mut() {
+                t.entries[entry].commitment = c;
+            }
+            if let (Some(k), Some(at)) = (self.keep.as_deref_mut(), kept) {
+                k.set_leaves(at, leaves);
+            }
         }
     }
 }
@@ -252,11 +278,26 @@ impl Products for Compute<'_> {
             ModelError::Input(format!("layer {} has no {point:?} product", self.index))
         })?;
         let keep = self.keep.is_some();
-        let (c, kept) = lin.forward_kept(self.gemm, x, out, self.first, keep)?;
-        self.record(point, c);
-        if let (Some(k), Some(kept)) = (self.keep.as_deref_mut(), kept) {
-            k.keep(point, Kept::Gemm(kept));
-        }
+        let (Some(at), Some(t)) = (self.first, self.trace.as_deref_mut()) else {
+            return lin
+                .forward_queued(self.gemm, x, out, None, false)
+                .map(|_| ());
+        };
+        let acc = lin.forward_queued(self.gemm, x, out, Some((at, &mut *self.batch)), keep)?;
+        // The commitment goes in when the layer's rows are hashed.
+        t.push(self.index, point, Commitment::default());
+        let entry = t.entries.len() - 1;
+        let kept = match (self.keep.as_deref_mut(), acc) {
+            (Some(k), Some(acc)) => Some(k.keep(
+                point,
+                Kept::Gemm(KeptProduct {
+                    acc,
+                    leaves: Vec::new(),
+                }),
+            )),
+            _ => None,
+        };
+        self.queued.push((entry, kept));
         Ok(())
     }
 
@@ -581,6 +622,7 @@ impl Model {
         }
         x.check_finite(&stage, &format!("{} (input)", range.start))?;
         let mut x = x;
+        let mut batch = LeafBatch::default();
         for (ci, i) in range.clone().enumerate() {
             let layer = self.layers.get(&i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))
@@ -598,11 +640,14 @@ impl Model {
                 first: trace.as_deref().map(|t| (x.start, t.from)),
                 trace: trace.as_deref_mut(),
                 keep: kept.as_mut(),
+                batch: &mut batch,
+                queued: Vec::new(),
             };
             // A stage's products never stop a block early.
             x = self
                 .block(&Glue::of(layer), i, x, &mut products)?
                 .ok_or_else(|| ModelError::Input(format!("layer {i} stopped early")))?;
+            products.finish();
             if let (Some(k), Some(l)) = (keep.as_deref_mut(), kept) {
                 k.layers.push(l);
             }

@@ -169,8 +169,17 @@ impl KeptLayer {
         }
     }
 
-    pub(crate) fn keep(&mut self, point: Point, kept: Kept) {
+    /// Keeps one product's parts; returns its place, for [`KeptLayer::set_leaves`].
+    pub(crate) fn keep(&mut self, point: Point, kept: Kept) -> usize {
         self.products.push((point, kept));
+        self.products.len() - 1
+    }
+
+    /// The leaves of the weight product kept at `at`, once its rows are hashed.
+    pub(crate) fn set_leaves(&mut self, at: usize, leaves: Vec<Commitment>) {
+        if let Some((_, Kept::Gemm(p))) = self.products.get_mut(at) {
+            p.leaves = leaves;
+        }
     }
 }
 

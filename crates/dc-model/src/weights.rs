@@ -11,6 +11,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
+use dc_kernels::commit::LeafBatch;
 use dc_kernels::{Accumulators, Gemm, PackedWeights, QuantizedRows, WeightLayout};
 use dc_types::Point;
 
@@ -60,6 +61,31 @@ impl Linear {
         commit: Option<(usize, usize)>,
         keep: bool,
     ) -> Result<(Option<dc_kernels::Commitment>, Option<KeptProduct>)> {
+        let Some(at) = commit else {
+            self.forward_queued(gemm, x, out, None, keep)?;
+            return Ok((None, None));
+        };
+        let mut batch = LeafBatch::default();
+        let acc = self.forward_queued(gemm, x, out, Some((at, &mut batch)), keep)?;
+        let (c, leaves) = gemm
+            .finish_leaves(&mut batch, x.rows() > 1)
+            .pop()
+            .expect("one product queued");
+        Ok((Some(c), acc.map(|acc| KeptProduct { acc, leaves })))
+    }
+
+    /// The product into `out`, its committed rows (from `(first row's position, first
+    /// committed position)`) queued in the batch when committing, before the bias is added;
+    /// the exact accumulators when also `keep`. A stage queues every product of a layer and
+    /// hashes them together (see [`LeafBatch`]).
+    pub fn forward_queued(
+        &self,
+        gemm: &Gemm,
+        x: &QuantizedRows,
+        out: &mut Vec<f32>,
+        commit: Option<((usize, usize), &mut LeafBatch)>,
+        keep: bool,
+    ) -> Result<Option<Accumulators>> {
         out.clear();
         out.resize(x.rows() * self.w.n(), 0.0);
         let acc = match commit.is_some() && keep {
@@ -69,15 +95,11 @@ impl Linear {
                 None
             }
         };
-        let kept = match commit {
-            Some((first, from)) => {
-                let (c, leaves) = gemm.commit_leaves_from(out, (x.rows(), self.w.n()), first, from);
-                (Some(c), acc.map(|acc| KeptProduct { acc, leaves }))
-            }
-            None => (None, None),
-        };
+        if let Some(((first, from), batch)) = commit {
+            batch.queue(out, (x.rows(), self.w.n()), first, from);
+        }
         add_bias(self.bias.as_deref(), out);
-        Ok(kept)
+        Ok(acc)
     }
 }
 

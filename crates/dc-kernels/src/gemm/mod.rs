@@ -214,13 +214,29 @@ impl Gemm {
         first: usize,
         from: usize,
     ) -> (crate::Commitment, Vec<crate::Commitment>) {
-        let leaves = match &self.pool {
-            Some(pool) if shape.0 > 1 => {
-                pool.install(|| crate::commit::product_leaves_from_par(out, shape, first, from))
-            }
-            _ => crate::commit::product_leaves_from(out, shape, first, from),
-        };
-        (crate::commit::commit_leaves(shape.1, &leaves), leaves)
+        thread_local! {
+            // Reused, so a prefill's product does not fault in a fresh buffer for its rows.
+            static BATCH: std::cell::RefCell<crate::commit::LeafBatch> = Default::default();
+        }
+        BATCH.with_borrow_mut(|batch| {
+            batch.queue(out, shape, first, from);
+            self.finish_leaves(batch, shape.0 > 1)
+                .pop()
+                .expect("one product queued")
+        })
+    }
+
+    /// [`LeafBatch::finish`](crate::commit::LeafBatch::finish) on this engine's threads when it
+    /// has several and `many` rows are queued (the bits do not depend on it).
+    pub fn finish_leaves(
+        &self,
+        batch: &mut crate::commit::LeafBatch,
+        many: bool,
+    ) -> Vec<(crate::Commitment, Vec<crate::Commitment>)> {
+        match &self.pool {
+            Some(pool) if many => pool.install(|| batch.finish(true)),
+            _ => batch.finish(false),
+        }
     }
 
     /// The kernel in use.
