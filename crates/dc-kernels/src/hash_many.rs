@@ -406,13 +406,27 @@ mod avx2 {
                 len,
                 flags,
             ];
-            round(&mut s, &m, &SCHEDULE[0]);
-            round(&mut s, &m, &SCHEDULE[1]);
-            round(&mut s, &m, &SCHEDULE[2]);
-            round(&mut s, &m, &SCHEDULE[3]);
-            round(&mut s, &m, &SCHEDULE[4]);
-            round(&mut s, &m, &SCHEDULE[5]);
-            round(&mut s, &m, &SCHEDULE[6]);
+            // Written out (a macro, not a call), so every round's message indices are constants.
+            macro_rules! round {
+                ($r:expr) => {{
+                    let r = &SCHEDULE[$r];
+                    g(&mut s, 0, 4, 8, 12, m[r[0]], m[r[1]]);
+                    g(&mut s, 1, 5, 9, 13, m[r[2]], m[r[3]]);
+                    g(&mut s, 2, 6, 10, 14, m[r[4]], m[r[5]]);
+                    g(&mut s, 3, 7, 11, 15, m[r[6]], m[r[7]]);
+                    g(&mut s, 0, 5, 10, 15, m[r[8]], m[r[9]]);
+                    g(&mut s, 1, 6, 11, 12, m[r[10]], m[r[11]]);
+                    g(&mut s, 2, 7, 8, 13, m[r[12]], m[r[13]]);
+                    g(&mut s, 3, 4, 9, 14, m[r[14]], m[r[15]]);
+                }};
+            }
+            round!(0);
+            round!(1);
+            round!(2);
+            round!(3);
+            round!(4);
+            round!(5);
+            round!(6);
             for i in 0..8 {
                 let next = _mm256_xor_si256(s[i], s[i + 8]);
                 // A lane past its job's end keeps the chaining value it finished with.
@@ -477,79 +491,55 @@ mod avx2 {
         ]
     }
 
-    #[inline(always)]
+    /// Rotates each 32-bit word right by whole bytes, as `mask` (per 128-bit half) moves them.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn rotate_bytes(x: __m256i, mask: [i8; 16]) -> __m256i {
+        let [m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15] = mask;
+        let m = _mm256_setr_epi8(
+            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, m0, m1, m2, m3,
+            m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+        );
+        _mm256_shuffle_epi8(x, m)
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
     fn rot16(x: __m256i) -> __m256i {
-        // SAFETY: only called from AVX2 functions (inlined into them).
-        unsafe {
-            let m = _mm256_setr_epi8(
-                2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2, 3, 0, 1, 6, 7, 4, 5, 10,
-                11, 8, 9, 14, 15, 12, 13,
-            );
-            _mm256_shuffle_epi8(x, m)
-        }
+        rotate_bytes(x, [2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13])
     }
 
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     fn rot8(x: __m256i) -> __m256i {
-        // SAFETY: only called from AVX2 functions (inlined into them).
-        unsafe {
-            let m = _mm256_setr_epi8(
-                1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12, 1, 2, 3, 0, 5, 6, 7, 4, 9,
-                10, 11, 8, 13, 14, 15, 12,
-            );
-            _mm256_shuffle_epi8(x, m)
-        }
+        rotate_bytes(x, [1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12])
     }
 
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     fn rot12(x: __m256i) -> __m256i {
-        // SAFETY: only called from AVX2 functions (inlined into them).
-        unsafe { _mm256_or_si256(_mm256_srli_epi32(x, 12), _mm256_slli_epi32(x, 20)) }
+        _mm256_or_si256(_mm256_srli_epi32(x, 12), _mm256_slli_epi32(x, 20))
     }
 
-    #[inline(always)]
+    #[target_feature(enable = "avx2")]
+    #[inline]
     fn rot7(x: __m256i) -> __m256i {
-        // SAFETY: only called from AVX2 functions (inlined into them).
-        unsafe { _mm256_or_si256(_mm256_srli_epi32(x, 7), _mm256_slli_epi32(x, 25)) }
+        _mm256_or_si256(_mm256_srli_epi32(x, 7), _mm256_slli_epi32(x, 25))
     }
 
-    #[inline(always)]
-    fn add(a: __m256i, b: __m256i) -> __m256i {
-        // SAFETY: only called from AVX2 functions (inlined into them).
-        unsafe { _mm256_add_epi32(a, b) }
-    }
-
-    #[inline(always)]
-    fn xor(a: __m256i, b: __m256i) -> __m256i {
-        // SAFETY: only called from AVX2 functions (inlined into them).
-        unsafe { _mm256_xor_si256(a, b) }
-    }
-
-    /// One round: the scalar rounds' `g`s on vectors, reading the message words `r` names.
-    #[inline(always)]
-    fn round(s: &mut [__m256i; 16], m: &[__m256i; 16], r: &[usize; 16]) {
-        g(s, 0, 4, 8, 12, m[r[0]], m[r[1]]);
-        g(s, 1, 5, 9, 13, m[r[2]], m[r[3]]);
-        g(s, 2, 6, 10, 14, m[r[4]], m[r[5]]);
-        g(s, 3, 7, 11, 15, m[r[6]], m[r[7]]);
-        g(s, 0, 5, 10, 15, m[r[8]], m[r[9]]);
-        g(s, 1, 6, 11, 12, m[r[10]], m[r[11]]);
-        g(s, 2, 7, 8, 13, m[r[12]], m[r[13]]);
-        g(s, 3, 4, 9, 14, m[r[14]], m[r[15]]);
-    }
-
-    /// The scalar `g` with every word a vector of eight.
-    #[inline(always)]
+    /// BLAKE3's quarter-round on eight lanes at once.
+    #[target_feature(enable = "avx2")]
+    #[inline]
     #[allow(clippy::too_many_arguments)]
     fn g(s: &mut [__m256i; 16], a: usize, b: usize, c: usize, d: usize, x: __m256i, y: __m256i) {
-        s[a] = add(add(s[a], s[b]), x);
-        s[d] = rot16(xor(s[d], s[a]));
-        s[c] = add(s[c], s[d]);
-        s[b] = rot12(xor(s[b], s[c]));
-        s[a] = add(add(s[a], s[b]), y);
-        s[d] = rot8(xor(s[d], s[a]));
-        s[c] = add(s[c], s[d]);
-        s[b] = rot7(xor(s[b], s[c]));
+        s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), x);
+        s[d] = rot16(_mm256_xor_si256(s[d], s[a]));
+        s[c] = _mm256_add_epi32(s[c], s[d]);
+        s[b] = rot12(_mm256_xor_si256(s[b], s[c]));
+        s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), y);
+        s[d] = rot8(_mm256_xor_si256(s[d], s[a]));
+        s[c] = _mm256_add_epi32(s[c], s[d]);
+        s[b] = rot7(_mm256_xor_si256(s[b], s[c]));
     }
 }
 
