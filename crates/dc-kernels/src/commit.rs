@@ -265,61 +265,84 @@ pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
     Commitment(*h.finalize().as_bytes())
 }
 
-/// Product output rows whose leaves are wanted, queued to be hashed together
-/// ([`crate::hash_many`]: short rows hashed one at a time leave BLAKE3's SIMD idle): a
-/// prefill's rows of one product, or a decode step's rows of every product of a layer. The
-/// leaves are [`product_row_leaf`]'s, bit for bit (tested).
+/// Leaves wanted, queued to be hashed together ([`crate::hash_many`]: short rows hashed one
+/// at a time leave BLAKE3's SIMD idle), in sets that are each committed as a product is
+/// (`gemm_commitment(leaves, cols, root)`): a prefill's rows of one product, or everything a
+/// decode step commits in a layer (its products' rows, its cache rows, its attention rows).
+/// Every leaf is bit for bit the one hashed alone (tested).
 #[derive(Clone, Debug, Default)]
 pub struct LeafBatch {
     messages: Messages,
-    /// Per queued product: its columns and its number of committed rows.
-    products: Vec<(usize, usize)>,
+    /// Per closed set: the columns its commitment names and its number of leaves.
+    sets: Vec<(usize, usize)>,
+    /// Leaves added since the last set was closed.
+    open: usize,
 }
 
 impl LeafBatch {
-    /// Queues the rows of the `(rows, cols)` output `out` (the first row at position `first`)
-    /// from position `from` on: what a product's commitment covers.
+    /// Adds a leaf to the open set: the hash in `domain` of `parts`, concatenated.
+    pub fn leaf(&mut self, domain: Domain, parts: &[&[u8]]) {
+        self.messages.push(domain.key(), parts);
+        self.open += 1;
+    }
+
+    /// Adds the leaf of one product output row ([`product_row_leaf`]) to the open set.
+    pub fn product_row(&mut self, position: usize, values: &[f32]) {
+        let bytes = f32_le_bytes(values);
+        self.leaf(
+            Domain::ProductRow,
+            &[
+                &(position as u64).to_le_bytes(),
+                &(values.len() as u64).to_le_bytes(),
+                &bytes,
+            ],
+        );
+    }
+
+    /// Closes the open set; its commitment names `cols`.
+    pub fn end_set(&mut self, cols: usize) {
+        self.sets.push((cols, self.open));
+        self.open = 0;
+    }
+
+    /// Queues, as one set, the rows of the `(rows, cols)` output `out` (the first row at
+    /// position `first`) from position `from` on: what a product's commitment covers.
     pub fn queue(&mut self, out: &[f32], (rows, cols): (usize, usize), first: usize, from: usize) {
         assert_eq!(out.len(), rows * cols, "an output of rows × cols values");
         let skip = from.saturating_sub(first).min(rows);
         for r in skip..rows {
-            let values = f32_le_bytes(&out[r * cols..(r + 1) * cols]);
-            self.messages.push(&[
-                &((first + r) as u64).to_le_bytes(),
-                &(cols as u64).to_le_bytes(),
-                &values,
-            ]);
+            self.product_row(first + r, &out[r * cols..(r + 1) * cols]);
         }
-        self.products.push((cols, rows - skip));
+        self.end_set(cols);
     }
 
-    /// The number of products queued.
+    /// The number of sets queued.
     pub fn len(&self) -> usize {
-        self.products.len()
+        self.sets.len()
     }
 
     /// Whether none is queued.
     pub fn is_empty(&self) -> bool {
-        self.products.is_empty()
+        self.sets.is_empty() && self.open == 0
     }
 
-    /// The number of rows queued, over all products.
+    /// The number of leaves queued, over all sets.
     pub fn rows(&self) -> usize {
         self.messages.len()
     }
 
-    /// Each queued product's commitment and the leaves of its committed rows, in the order
-    /// they were queued, hashed on the current rayon pool when `parallel` (the same bits).
-    /// Leaves the batch empty, its buffers kept for the next.
+    /// Each set's commitment and leaves, in the order they were queued, hashed on the current
+    /// rayon pool when `parallel` (the same bits). Leaves the batch empty, its buffers kept
+    /// for the next. Panics if a set is still open.
     pub fn finish(&mut self, parallel: bool) -> Vec<(Commitment, Vec<Commitment>)> {
-        let key = Domain::ProductRow.key();
+        assert_eq!(self.open, 0, "every set closed before the batch is hashed");
         let hashes = match parallel {
-            true => self.messages.keyed_hashes_par(key),
-            false => self.messages.keyed_hashes(key),
+            true => self.messages.keyed_hashes_par(),
+            false => self.messages.keyed_hashes(),
         };
         let mut hashes = hashes.into_iter().map(Commitment);
         let done = self
-            .products
+            .sets
             .iter()
             .map(|&(cols, rows)| {
                 let leaves: Vec<Commitment> = hashes.by_ref().take(rows).collect();
@@ -327,7 +350,7 @@ impl LeafBatch {
             })
             .collect();
         self.messages.clear();
-        self.products.clear();
+        self.sets.clear();
         done
     }
 }
@@ -578,7 +601,24 @@ mod tests {
                     .collect();
                 want.push((commit_leaves(cols, &leaves), leaves));
             }
-            proptest::prop_assert_eq!(batch.len(), shapes.len());
+            // A set of other leaves (as a stage queues its cache rows) between the products.
+            let cache: Vec<u8> = (0..200u8).collect();
+            for (pos, row) in cache.chunks(40).enumerate() {
+                batch.leaf(Domain::KvRow, &[&(pos as u64).to_le_bytes(), row]);
+            }
+            batch.end_set(40);
+            let leaves: Vec<Commitment> = cache
+                .chunks(40)
+                .enumerate()
+                .map(|(pos, row)| {
+                    let mut h = Domain::KvRow.hasher();
+                    h.update(&(pos as u64).to_le_bytes());
+                    h.update(row);
+                    Commitment(*h.finalize().as_bytes())
+                })
+                .collect();
+            want.push((commit_leaves(40, &leaves), leaves));
+            proptest::prop_assert_eq!(batch.len(), shapes.len() + 1);
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
             let got = pool.install(|| batch.finish(parallel));
             proptest::prop_assert_eq!(got, want);

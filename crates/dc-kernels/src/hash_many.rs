@@ -64,8 +64,15 @@ const LANES: usize = 8;
 #[derive(Clone, Debug, Default)]
 pub struct Messages {
     bytes: Vec<u8>,
-    /// Each message's first byte in `bytes` and its length.
-    spans: Vec<(usize, usize)>,
+    spans: Vec<Span>,
+}
+
+/// One message: its first byte in the buffer, its length and its key.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    start: usize,
+    len: usize,
+    key: [u8; 32],
 }
 
 impl Messages {
@@ -87,8 +94,8 @@ impl Messages {
         self.spans.is_empty()
     }
 
-    /// Appends one message: `parts`, concatenated.
-    pub fn push(&mut self, parts: &[&[u8]]) {
+    /// Appends one message, `parts` concatenated, to be hashed under `key`.
+    pub fn push(&mut self, key: &[u8; 32], parts: &[&[u8]]) {
         let start = self.bytes.len();
         for p in parts {
             self.bytes.extend_from_slice(p);
@@ -97,7 +104,11 @@ impl Messages {
         // An empty message still compresses one (empty) block.
         let padded = start + len.next_multiple_of(BLOCK_LEN).max(BLOCK_LEN);
         self.bytes.resize(padded, 0);
-        self.spans.push((start, len));
+        self.spans.push(Span {
+            start,
+            len,
+            key: *key,
+        });
     }
 
     /// Empties the batch, keeping its buffers.
@@ -106,28 +117,28 @@ impl Messages {
         self.spans.clear();
     }
 
-    /// Each message's keyed BLAKE3 hash under `key`, in order: in the lanes when the machine
+    /// Each message's keyed BLAKE3 hash under its key, in order: in the lanes when the machine
     /// has AVX2 and the messages have enough chunks to fill them, otherwise one message at a
     /// time by the `blake3` crate.
-    pub fn keyed_hashes(&self, key: &[u8; 32]) -> Vec<[u8; 32]> {
-        hash_spans(&self.bytes, &self.spans, key, Route::Auto)
+    pub fn keyed_hashes(&self) -> Vec<[u8; 32]> {
+        hash_spans(&self.bytes, &self.spans, Route::Auto)
     }
 
     /// [`Messages::keyed_hashes`] spread over the current rayon pool (the same hashes).
-    pub fn keyed_hashes_par(&self, key: &[u8; 32]) -> Vec<[u8; 32]> {
+    pub fn keyed_hashes_par(&self) -> Vec<[u8; 32]> {
         use rayon::prelude::*;
         // Enough messages per task to fill the lanes several times over.
         let per_task = (self.spans.len() / (4 * rayon::current_num_threads()).max(1)).max(8);
         self.spans
             .par_chunks(per_task)
-            .flat_map_iter(|spans| hash_spans(&self.bytes, spans, key, Route::Auto))
+            .flat_map_iter(|spans| hash_spans(&self.bytes, spans, Route::Auto))
             .collect()
     }
 
     /// [`Messages::keyed_hashes`] always in the lanes (where the machine has AVX2), however few
     /// the chunks: what the tests compare with the `blake3` crate.
-    pub fn keyed_hashes_in_lanes(&self, key: &[u8; 32]) -> Vec<[u8; 32]> {
-        hash_spans(&self.bytes, &self.spans, key, Route::Lanes)
+    pub fn keyed_hashes_in_lanes(&self) -> Vec<[u8; 32]> {
+        hash_spans(&self.bytes, &self.spans, Route::Lanes)
     }
 }
 
@@ -165,6 +176,8 @@ fn words(key: &[u8; 32]) -> [u32; 8] {
 /// its last `end`, besides the keyed mode's flag on every block.
 #[derive(Clone, Copy)]
 struct Job {
+    /// Its message's key (the chaining value its first block starts from).
+    key: [u32; 8],
     /// Where its first block starts.
     at: usize,
     blocks: usize,
@@ -178,40 +191,38 @@ struct Job {
 /// (the chunks' first, then the parents'), its height above the chunks and whether it is the
 /// root.
 struct Parent {
+    key: [u32; 8],
     left: usize,
     right: usize,
     height: usize,
     root: bool,
 }
 
-fn hash_spans(
-    bytes: &[u8],
-    spans: &[(usize, usize)],
-    key: &[u8; 32],
-    route: Route,
-) -> Vec<[u8; 32]> {
-    let chunks: usize = spans.iter().map(|s| s.1.div_ceil(CHUNK_LEN).max(1)).sum();
+fn hash_spans(bytes: &[u8], spans: &[Span], route: Route) -> Vec<[u8; 32]> {
+    let chunks: usize = spans.iter().map(|s| s.len.div_ceil(CHUNK_LEN).max(1)).sum();
     if !lanes_available() || (route == Route::Auto && chunks < MIN_LANE_CHUNKS) {
         return spans
             .iter()
-            .map(|&(start, len)| *blake3::keyed_hash(key, &bytes[start..start + len]).as_bytes())
+            .map(|s| *blake3::keyed_hash(&s.key, &bytes[s.start..s.start + s.len]).as_bytes())
             .collect();
     }
-    hash_in_lanes(bytes, spans, &words(key))
+    hash_in_lanes(bytes, spans)
 }
 
 /// [`hash_spans`] in the lanes (the machine has AVX2).
-fn hash_in_lanes(bytes: &[u8], spans: &[(usize, usize)], key: &[u32; 8]) -> Vec<[u8; 32]> {
+fn hash_in_lanes(bytes: &[u8], spans: &[Span]) -> Vec<[u8; 32]> {
     // Every chunk of every message, and where each message's chunks start in that list.
     let mut jobs = Vec::with_capacity(spans.len() * 3);
     let mut first = Vec::with_capacity(spans.len() + 1);
-    for &(start, len) in spans {
+    for &Span { start, len, key } in spans {
+        let key = words(&key);
         first.push(jobs.len());
         let n = len.div_ceil(CHUNK_LEN).max(1);
         for c in 0..n {
             let clen = (len - c * CHUNK_LEN).min(CHUNK_LEN);
             let blocks = clen.div_ceil(BLOCK_LEN).max(1);
             jobs.push(Job {
+                key,
                 at: start + c * CHUNK_LEN,
                 blocks,
                 last_len: (clen - (blocks - 1) * BLOCK_LEN) as u32,
@@ -227,10 +238,11 @@ fn hash_in_lanes(bytes: &[u8], spans: &[(usize, usize)], key: &[u32; 8]) -> Vec<
     let mut parents = Vec::new();
     let roots: Vec<usize> = first
         .windows(2)
-        .map(|w| tree(w[0]..w[1], chunks, true, &mut parents).0)
+        .zip(spans)
+        .map(|(w, s)| tree(w[0]..w[1], chunks, &words(&s.key), true, &mut parents).0)
         .collect();
     let mut cvs = vec![[0u32; 8]; chunks + parents.len()];
-    compress_jobs(bytes, &jobs, key, &mut cvs[..chunks]);
+    compress_jobs(bytes, &jobs, &mut cvs[..chunks]);
     // The parents a level at a time (each level's children are all done), side by side too.
     let top = parents.iter().map(|p| p.height).max().unwrap_or(0);
     let mut blocks = Vec::new();
@@ -245,6 +257,7 @@ fn hash_in_lanes(bytes: &[u8], spans: &[(usize, usize)], key: &[u32; 8]) -> Vec<
                 blocks.extend_from_slice(&w.to_le_bytes());
             }
             jobs.push(Job {
+                key: parents[p].key,
                 at: i * BLOCK_LEN,
                 blocks: 1,
                 last_len: BLOCK_LEN as u32,
@@ -254,7 +267,7 @@ fn hash_in_lanes(bytes: &[u8], spans: &[(usize, usize)], key: &[u32; 8]) -> Vec<
             });
         }
         let mut out = vec![[0u32; 8]; level.len()];
-        compress_jobs(&blocks, &jobs, key, &mut out);
+        compress_jobs(&blocks, &jobs, &mut out);
         for (&p, cv) in level.iter().zip(out) {
             cvs[chunks + p] = cv;
         }
@@ -278,6 +291,7 @@ fn hash_in_lanes(bytes: &[u8], spans: &[(usize, usize)], key: &[u32; 8]) -> Vec<
 fn tree(
     chunks: std::ops::Range<usize>,
     base: usize,
+    key: &[u32; 8],
     root: bool,
     parents: &mut Vec<Parent>,
 ) -> (usize, usize) {
@@ -286,9 +300,10 @@ fn tree(
         return (chunks.start, 0);
     }
     let k = 1 << (usize::BITS - 1 - (n - 1).leading_zeros());
-    let (left, hl) = tree(chunks.start..chunks.start + k, base, false, parents);
-    let (right, hr) = tree(chunks.start + k..chunks.end, base, false, parents);
+    let (left, hl) = tree(chunks.start..chunks.start + k, base, key, false, parents);
+    let (right, hr) = tree(chunks.start + k..chunks.end, base, key, false, parents);
     parents.push(Parent {
+        key: *key,
         left,
         right,
         height: 1 + hl.max(hr),
@@ -299,7 +314,7 @@ fn tree(
 
 /// The chaining value of every job into `cvs`, in the lanes: the jobs longest first, so each
 /// group of eight runs about as many blocks in every lane.
-fn compress_jobs(bytes: &[u8], jobs: &[Job], key: &[u32; 8], cvs: &mut [[u32; 8]]) {
+fn compress_jobs(bytes: &[u8], jobs: &[Job], cvs: &mut [[u32; 8]]) {
     let mut order: Vec<usize> = (0..jobs.len()).collect();
     order.sort_by_key(|&j| Reverse(jobs[j].blocks));
     for group in order.chunks(LANES) {
@@ -310,10 +325,10 @@ fn compress_jobs(bytes: &[u8], jobs: &[Job], key: &[u32; 8], cvs: &mut [[u32; 8]
         // SAFETY: only reached where AVX2 was detected (`hash_spans`); the kernel checks that
         // every block of every job lies in `bytes`.
         unsafe {
-            avx2::jobs_x8(bytes, &lane_jobs, key, &mut out)
+            avx2::jobs_x8(bytes, &lane_jobs, &mut out)
         };
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("lanes without AVX2: {bytes:p} {key:?} {}", lane_jobs.len());
+        unreachable!("lanes without AVX2: {bytes:p} {}", lane_jobs.len());
         for (&j, cv) in group.iter().zip(out) {
             cvs[j] = cv;
         }
@@ -339,7 +354,6 @@ mod avx2 {
     pub(super) unsafe fn jobs_x8(
         bytes: &[u8],
         chunks: &[Option<Job>; LANES],
-        key: &[u32; 8],
         out: &mut [[u32; 8]; LANES],
     ) {
         for c in chunks.iter().flatten() {
@@ -349,12 +363,13 @@ mod avx2 {
             );
         }
         let blocks = chunks.iter().flatten().map(|c| c.blocks).max().unwrap_or(0);
-        let mut cv: [__m256i; 8] = std::array::from_fn(|i| _mm256_set1_epi32(key[i] as i32));
         let per_lane = |f: &dyn Fn(&Job) -> u32| -> __m256i {
             let v: [u32; LANES] = std::array::from_fn(|l| chunks[l].as_ref().map_or(0, f));
             // SAFETY: an unaligned load of eight u32s from an array of eight.
             unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
         };
+        // Each lane starts from its own message's key.
+        let mut cv: [__m256i; 8] = std::array::from_fn(|i| per_lane(&|c| c.key[i]));
         let counter_lo = per_lane(&|c| c.counter as u32);
         let counter_hi = per_lane(&|c| (c.counter >> 32) as u32);
         // A lane without a job has no blocks, so it is never active.
@@ -571,27 +586,28 @@ mod tests {
         let mut m = Messages::default();
         let lens = boundary_lengths();
         for (i, &len) in lens.iter().enumerate() {
-            m.push(&[&message(len, i as u8)]);
+            m.push(&key, &[&message(len, i as u8)]);
         }
         let want: Vec<[u8; 32]> = lens
             .iter()
             .enumerate()
             .map(|(i, &len)| *blake3::keyed_hash(&key, &message(len, i as u8)).as_bytes())
             .collect();
-        assert_eq!(m.keyed_hashes_in_lanes(&key), want, "lanes");
-        assert_eq!(m.keyed_hashes(&key), want, "lanes or not");
-        assert_eq!(m.keyed_hashes_par(&key), want, "lanes on a pool");
+        assert_eq!(m.keyed_hashes_in_lanes(), want, "lanes");
+        assert_eq!(m.keyed_hashes(), want, "lanes or not");
+        assert_eq!(m.keyed_hashes_par(), want, "lanes on a pool");
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
-        /// Any batch of messages, each made of parts (as a leaf's header and values are),
-        /// hashes as the `blake3` crate hashes each message whole: in the lanes, as routed by
-        /// size, and on a pool.
+        /// Any batch of messages, each made of parts (as a leaf's header and values are) and
+        /// under one of two keys, hashes as the `blake3` crate hashes each message whole
+        /// under its key: in the lanes, as routed by size, and on a pool.
         #[test]
         fn batches_hash_as_the_blake3_crate_does(
-            key in any::<[u8; 32]>(),
+            keys in any::<[[u8; 32]; 2]>(),
+            which in any::<u32>(),
             lens in proptest::collection::vec(0usize..5000, 0..24),
             split in 0usize..64,
             seed in any::<u8>(),
@@ -601,13 +617,14 @@ mod tests {
             for (i, &len) in lens.iter().enumerate() {
                 let msg = message(len, seed.wrapping_add(i as u8));
                 let at = split.min(len);
-                m.push(&[&msg[..at], &msg[at..]]);
-                want.push(*blake3::keyed_hash(&key, &msg).as_bytes());
+                let key = &keys[(which >> (i % 32)) as usize & 1];
+                m.push(key, &[&msg[..at], &msg[at..]]);
+                want.push(*blake3::keyed_hash(key, &msg).as_bytes());
             }
             prop_assert_eq!(m.len(), lens.len());
-            prop_assert_eq!(&m.keyed_hashes_in_lanes(&key), &want);
-            prop_assert_eq!(&m.keyed_hashes(&key), &want);
-            prop_assert_eq!(&m.keyed_hashes_par(&key), &want);
+            prop_assert_eq!(&m.keyed_hashes_in_lanes(), &want);
+            prop_assert_eq!(&m.keyed_hashes(), &want);
+            prop_assert_eq!(&m.keyed_hashes_par(), &want);
         }
     }
 }

@@ -9,7 +9,7 @@
 //!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
 //!   Keys outside the causal or sliding window are exact zeros.
 
-use dc_kernels::commit::{gemm_commitment, merkle_root, product_row_leaf};
+use dc_kernels::commit::{gemm_commitment, merkle_root, product_row_leaf, LeafBatch};
 use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
@@ -328,6 +328,16 @@ pub fn cache_commitment(first: usize, row_bytes: usize, bytes: &[u8]) -> Commitm
     gemm_commitment(leaves.len(), row_bytes, &merkle_root(&leaves))
 }
 
+/// Queues the cache rows of positions `first..` encoded in `bytes` (whole rows of
+/// `row_bytes`) in `batch` as one set: [`cache_row_leaf`]'s leaves, committed as
+/// [`cache_commitment`] commits them.
+pub fn queue_cache_rows(batch: &mut LeafBatch, first: usize, row_bytes: usize, bytes: &[u8]) {
+    for (i, row) in bytes.chunks_exact(row_bytes).enumerate() {
+        batch.leaf(Domain::KvRow, &[&((first + i) as u64).to_le_bytes(), row]);
+    }
+    batch.end_set(row_bytes);
+}
+
 /// Sums a handful of block terms exactly and rounds once to f32 (`None` past the f32 range).
 #[inline]
 fn sum_terms(terms: &[(i64, i32)]) -> Option<f32> {
@@ -452,6 +462,52 @@ pub fn attend_committed_with(
     commit_from: Option<usize>,
     leaves: Option<&mut AttentionLeaves>,
 ) -> Result<Option<AttentionCommitments>> {
+    let Some(from) = commit_from else {
+        attend_queued_with(kernel, shape, cache, q, start, out, layer, None, false)?;
+        return Ok(None);
+    };
+    let mut batch = LeafBatch::default();
+    let keep_rows = leaves.is_some();
+    let context_rows = attend_queued_with(
+        kernel,
+        shape,
+        cache,
+        q,
+        start,
+        out,
+        layer,
+        Some((from, &mut batch)),
+        keep_rows,
+    )?;
+    let mut done = batch.finish(false).into_iter();
+    let (Some((scores, sl)), Some((context, cl))) = (done.next(), done.next()) else {
+        unreachable!("both attention products queued a set");
+    };
+    if let Some(l) = leaves {
+        l.scores = sl;
+        l.context = cl;
+        l.context_rows = context_rows;
+    }
+    Ok(Some(AttentionCommitments { scores, context }))
+}
+
+/// [`attend_committed_with`] with both products' committed rows (positions from the given
+/// first on) queued in the batch, the scores' set and then the context's, instead of hashed
+/// here: a stage hashes everything a layer commits together. Returns each committed row of
+/// the context when `keep_rows` (a keeping stage reveals them), otherwise nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_queued_with(
+    kernel: AttentionKernel,
+    shape: AttentionShape,
+    cache: &LayerCache,
+    q: &[f32],
+    start: usize,
+    out: &mut [f32],
+    layer: usize,
+    commit: Option<(usize, &mut LeafBatch)>,
+    keep_rows: bool,
+) -> Result<Vec<Vec<f32>>> {
+    let commit_from = commit.as_ref().map(|c| c.0);
     let (hd, heads) = (shape.head_dim, shape.heads);
     let rows = q.len() / (heads * hd);
     if start + rows > cache.len {
@@ -518,39 +574,32 @@ pub fn attend_committed_with(
             }
         }
     }
-    let Some(from) = commit_from else {
-        return Ok(None);
+    let Some((from, batch)) = commit else {
+        return Ok(Vec::new());
     };
-    let (mut sl, mut cl) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
-    let (keep_rows, mut context_rows) = (leaves.is_some(), Vec::new());
     let width = heads * hd;
+    let committed = from.saturating_sub(start).min(rows)..rows;
     let mut scores = Vec::new();
-    for (t, row) in exact.chunks(heads).enumerate() {
-        if start + t < from {
-            continue;
-        }
+    for t in committed.clone() {
         scores.clear();
+        let row = &exact[t * heads..(t + 1) * heads];
         scores.reserve(row.iter().flatten().map(|e| e.scores.len()).sum());
         for e in row.iter().flatten() {
             scores.extend_from_slice(&e.scores);
         }
-        let context = &out[t * width..(t + 1) * width];
-        sl.push(product_row_leaf(start + t, &scores));
-        cl.push(product_row_leaf(start + t, context));
-        if keep_rows {
-            context_rows.push(context.to_vec());
-        }
+        batch.product_row(start + t, &scores);
     }
-    let commitments = AttentionCommitments {
-        scores: gemm_commitment(sl.len(), heads, &merkle_root(&sl)),
-        context: gemm_commitment(cl.len(), heads * hd, &merkle_root(&cl)),
-    };
-    if let Some(l) = leaves {
-        l.scores = sl;
-        l.context = cl;
-        l.context_rows = context_rows;
+    batch.end_set(heads);
+    for t in committed.clone() {
+        batch.product_row(start + t, &out[t * width..(t + 1) * width]);
     }
-    Ok(Some(commitments))
+    batch.end_set(width);
+    Ok(match keep_rows {
+        true => committed
+            .map(|t| out[t * width..(t + 1) * width].to_vec())
+            .collect(),
+        false => Vec::new(),
+    })
 }
 
 /// The leaf of the committed scores row (`Q · Kᵀ`, every head's rounded scores) of one query
@@ -1071,6 +1120,78 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A stage queues its cache rows and both attention products' rows in the layer's batch;
+    /// hashed together with a product's rows, every set gets the commitment and leaves the
+    /// direct functions give (`cache_commitment`, `attend_committed`), and the context rows
+    /// it hands back are the committed rows of the output.
+    #[test]
+    fn queued_cache_and_attention_sets_commit_as_the_direct_functions() {
+        let shape = AttentionShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            window: None,
+        };
+        let mut cache = LayerCache::new(2, 8);
+        for p in 0..5 {
+            let kv: Vec<f32> = (0..16)
+                .map(|i| ((p * 16 + i) as f32 * 0.37).sin())
+                .collect();
+            cache
+                .append(&kv, &kv.iter().map(|x| x * 2.0).collect::<Vec<_>>())
+                .unwrap();
+        }
+        let q: Vec<f32> = (0..3 * 32).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (start, from) = (2, 3);
+        let mut want_out = vec![0f32; q.len()];
+        let mut leaves = AttentionLeaves::default();
+        let want = attend_committed(
+            shape,
+            &cache,
+            &q,
+            start,
+            &mut want_out,
+            0,
+            Some(from),
+            Some(&mut leaves),
+        )
+        .unwrap()
+        .unwrap();
+        let mut batch = LeafBatch::default();
+        let product: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        batch.queue(&product, (2, 3), 0, 0);
+        let bytes = cache.encode_rows(from..5);
+        queue_cache_rows(&mut batch, from, cache.row_bytes(), &bytes);
+        let mut out = vec![0f32; q.len()];
+        let rows = attend_queued_with(
+            AttentionKernel::Fast,
+            shape,
+            &cache,
+            &q,
+            start,
+            &mut out,
+            0,
+            Some((from, &mut batch)),
+            true,
+        )
+        .unwrap();
+        assert_eq!(out, want_out);
+        assert_eq!(rows, leaves.context_rows);
+        assert_eq!(rows.len(), 2, "positions 3 and 4 committed");
+        let done = batch.finish(false);
+        assert_eq!(done.len(), 4);
+        assert_eq!(done[1].0, cache_commitment(from, cache.row_bytes(), &bytes));
+        // The leaves themselves, against paths that hash one row alone.
+        assert_eq!(
+            leaves.scores[0],
+            score_row_leaf(shape, &cache, &q[32..64], 3, 0).unwrap()
+        );
+        assert_eq!(leaves.context[1], product_row_leaf(4, &out[64..96]));
+        assert_eq!(done[1].1[0], cache_row_leaf(3, &bytes[..cache.row_bytes()]));
+        assert_eq!(done[2], (want.scores, leaves.scores));
+        assert_eq!(done[3], (want.context, leaves.context));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTab
 use dc_kernels::{Commitment, Domain, Gemm, QuantizedRows};
 
 use crate::attention::{
-    attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
+    attend_queued_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -246,14 +246,20 @@ struct Compute<'a> {
 }
 
 impl Compute<'_> {
-    fn record(&mut self, point: Point, c: Option<Commitment>) {
-        if let (Some(t), Some(c)) = (self.trace.as_deref_mut(), c) {
-            t.push(self.index, point, c);
-        }
+    /// Records `point`'s entry for the set just queued, its commitment to come when the layer's
+    /// leaves are hashed; `keep` keeps its parts when the stage keeps the hop and says where.
+    fn queue_entry(&mut self, point: Point, keep: impl FnOnce(&mut KeptLayer) -> Option<usize>) {
+        let Some(t) = self.trace.as_deref_mut() else {
+            return;
+        };
+        t.push(self.index, point, Commitment::default());
+        let entry = t.entries.len() - 1;
+        let kept = self.keep.as_deref_mut().and_then(keep);
+        self.queued.push((entry, kept));
     }
 
-    /// Hashes the queued rows and puts each product's commitment into its trace entry and
-    /// its leaves with what was kept of it.
+    /// Hashes the queued leaves and puts each set's commitment into its trace entry and its
+    /// leaves with what was kept of it.
     fn finish(&mut self) {
         if self.batch.is_empty() {
             return;
@@ -278,39 +284,30 @@ impl Products for Compute<'_> {
             ModelError::Input(format!("layer {} has no {point:?} product", self.index))
         })?;
         let keep = self.keep.is_some();
-        let (Some(at), Some(t)) = (self.first, self.trace.as_deref_mut()) else {
+        // `first` is there exactly when the hop is traced.
+        let Some(at) = self.first else {
             return lin
                 .forward_queued(self.gemm, x, out, None, false)
                 .map(|_| ());
         };
         let acc = lin.forward_queued(self.gemm, x, out, Some((at, &mut *self.batch)), keep)?;
-        // The commitment goes in when the layer's rows are hashed.
-        t.push(self.index, point, Commitment::default());
-        let entry = t.entries.len() - 1;
-        let kept = match (self.keep.as_deref_mut(), acc) {
-            (Some(k), Some(acc)) => Some(k.keep(
-                point,
-                Kept::Gemm(KeptProduct {
-                    acc,
-                    leaves: Vec::new(),
-                }),
-            )),
-            _ => None,
-        };
-        self.queued.push((entry, kept));
+        self.queue_entry(point, |k| {
+            acc.map(|acc| {
+                k.keep(
+                    point,
+                    Kept::Gemm(KeptProduct {
+                        acc,
+                        leaves: Vec::new(),
+                    }),
+                )
+            })
+        });
         Ok(())
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
         let cfg = &self.model.config;
         self.cache.append(k, v)?;
-        if let Some((_, from)) = self.first {
-            let rows = q.len() / cfg.q_width();
-            let first = from.max(start);
-            let bytes = self.cache.encode_rows(first..start + rows);
-            let c = cache_commitment(first, self.cache.row_bytes(), &bytes);
-            self.record(Point::KvCache, Some(c));
-        }
         let mut ctx = vec![0f32; q.len()];
         let shape = AttentionShape {
             heads: cfg.num_heads,
@@ -318,40 +315,58 @@ impl Products for Compute<'_> {
             head_dim: cfg.head_dim,
             window: cfg.sliding_window,
         };
-        let mut leaves = self.keep.is_some().then(AttentionLeaves::default);
-        let (cache, index, from) = (&*self.cache, self.index, self.first.map(|f| f.1));
-        let att = self.gemm.install(|| {
-            attend_committed(
+        let (cache, index) = (&*self.cache, self.index);
+        let kernel = AttentionKernel::Fast;
+        let Some((_, from)) = self.first else {
+            self.gemm.install(|| {
+                attend_queued_with(kernel, shape, cache, q, start, &mut ctx, index, None, false)
+            })?;
+            return Ok(ctx);
+        };
+        // The cache rows this hop appended, then both attention products' rows: three sets,
+        // hashed with the layer's products (`Compute::finish`).
+        let rows = q.len() / cfg.q_width();
+        let first = from.max(start);
+        let row_bytes = cache.row_bytes();
+        queue_cache_rows(
+            self.batch,
+            first,
+            row_bytes,
+            &cache.encode_rows(first..start + rows),
+        );
+        let keep = self.keep.is_some();
+        let batch = &mut *self.batch;
+        let context_rows = self.gemm.install(|| {
+            attend_queued_with(
+                kernel,
                 shape,
                 cache,
                 q,
                 start,
                 &mut ctx,
                 index,
-                from,
-                leaves.as_mut(),
+                Some((from, batch)),
+                keep,
             )
         })?;
-        self.record(Point::Scores, att.map(|a| a.scores));
-        self.record(Point::Context, att.map(|a| a.context));
-        if let (Some(k), Some(l)) = (self.keep.as_deref_mut(), leaves) {
-            let (heads, width) = (cfg.num_heads, cfg.q_width());
-            k.keep(
-                Point::Scores,
-                Kept::Leaves {
-                    cols: heads,
-                    leaves: l.scores,
-                    rows: Vec::new(),
-                },
-            );
-            k.keep(
-                Point::Context,
-                Kept::Leaves {
-                    cols: width,
-                    leaves: l.context,
-                    rows: l.context_rows,
-                },
-            );
+        let (heads, width) = (cfg.num_heads, cfg.q_width());
+        for (point, cols, rows) in [
+            (Point::KvCache, row_bytes, None),
+            (Point::Scores, heads, Some(Vec::new())),
+            (Point::Context, width, Some(context_rows)),
+        ] {
+            self.queue_entry(point, |k| {
+                rows.map(|rows| {
+                    k.keep(
+                        point,
+                        Kept::Leaves {
+                            cols,
+                            leaves: Vec::new(),
+                            rows,
+                        },
+                    )
+                })
+            });
         }
         Ok(ctx)
     }

@@ -175,10 +175,12 @@ impl KeptLayer {
         self.products.len() - 1
     }
 
-    /// The leaves of the weight product kept at `at`, once its rows are hashed.
+    /// The leaves of the product kept at `at`, once its rows are hashed.
     pub(crate) fn set_leaves(&mut self, at: usize, leaves: Vec<Commitment>) {
-        if let Some((_, Kept::Gemm(p))) = self.products.get_mut(at) {
-            p.leaves = leaves;
+        match self.products.get_mut(at) {
+            Some((_, Kept::Gemm(p))) => p.leaves = leaves,
+            Some((_, Kept::Leaves { leaves: l, .. })) => *l = leaves,
+            None => {}
         }
     }
 }
