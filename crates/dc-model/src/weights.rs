@@ -33,51 +33,15 @@ impl Linear {
     /// `out = x · W (+ b)`, row-major `x.rows() × n`; the bias is added in f32 after the single
     /// rounding of the exact product.
     pub fn forward(&self, gemm: &Gemm, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
-        self.forward_committed(gemm, x, out, None).map(|_| ())
+        self.forward_queued(gemm, x, out, None, false).map(|_| ())
     }
 
-    /// [`Linear::forward`], also committing to the product's output rows (its exact
-    /// accumulators rounded once to f32, before the bias) when `commit` gives `(first, from)`:
-    /// the absolute position of the first row, and the first position to commit.
-    pub fn forward_committed(
-        &self,
-        gemm: &Gemm,
-        x: &QuantizedRows,
-        out: &mut Vec<f32>,
-        commit: Option<(usize, usize)>,
-    ) -> Result<Option<dc_kernels::Commitment>> {
-        self.forward_kept(gemm, x, out, commit, false)
-            .map(|(c, _)| c)
-    }
-
-    /// [`Linear::forward_committed`], also handing back the exact accumulators when `keep` (a
-    /// stage keeps them to reveal rows of the product later). Only keeping needs the exact
-    /// kernel: a commitment alone hashes what the plain product wrote.
-    pub fn forward_kept(
-        &self,
-        gemm: &Gemm,
-        x: &QuantizedRows,
-        out: &mut Vec<f32>,
-        commit: Option<(usize, usize)>,
-        keep: bool,
-    ) -> Result<(Option<dc_kernels::Commitment>, Option<KeptProduct>)> {
-        let Some(at) = commit else {
-            self.forward_queued(gemm, x, out, None, keep)?;
-            return Ok((None, None));
-        };
-        let mut batch = LeafBatch::default();
-        let acc = self.forward_queued(gemm, x, out, Some((at, &mut batch)), keep)?;
-        let (c, leaves) = gemm
-            .finish_leaves(&mut batch, x.rows() > 1)
-            .pop()
-            .expect("one product queued");
-        Ok((Some(c), acc.map(|acc| KeptProduct { acc, leaves })))
-    }
-
-    /// The product into `out`, its committed rows (from `(first row's position, first
-    /// committed position)`) queued in the batch when committing, before the bias is added;
-    /// the exact accumulators when also `keep`. A stage queues every product of a layer and
-    /// hashes them together (see [`LeafBatch`]).
+    /// [`Linear::forward`], also queueing the product's committed rows (its outputs before the
+    /// bias, from `(first row's position, first committed position)`) in the batch when
+    /// committing, and handing back the exact accumulators when also `keep` (a stage keeps
+    /// them to reveal rows later). Only keeping needs the exact kernel: a commitment alone
+    /// hashes what the plain product wrote. A stage queues everything a layer commits and
+    /// hashes it together (see [`LeafBatch`]).
     pub fn forward_queued(
         &self,
         gemm: &Gemm,
