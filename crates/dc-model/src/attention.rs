@@ -9,7 +9,7 @@
 //!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
 //!   Keys outside the causal or sliding window are exact zeros.
 
-use dc_kernels::commit::{gemm_commitment, merkle_root, product_row_leaf, LeafBatch};
+use dc_kernels::commit::{product_row_leaf, LeafBatch};
 use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
@@ -320,12 +320,9 @@ pub fn cache_row_leaf(position: usize, encoding: &[u8]) -> Commitment {
 /// The commitment to the cache rows of positions `first..` encoded in `bytes` (whole rows of
 /// `row_bytes`): their Merkle root with the shape, as for a product.
 pub fn cache_commitment(first: usize, row_bytes: usize, bytes: &[u8]) -> Commitment {
-    let leaves: Vec<Commitment> = bytes
-        .chunks_exact(row_bytes)
-        .enumerate()
-        .map(|(i, r)| cache_row_leaf(first + i, r))
-        .collect();
-    gemm_commitment(leaves.len(), row_bytes, &merkle_root(&leaves))
+    let mut batch = LeafBatch::default();
+    queue_cache_rows(&mut batch, first, row_bytes, bytes);
+    batch.finish(false).pop().expect("one set queued").0
 }
 
 /// Queues the cache rows of positions `first..` encoded in `bytes` (whole rows of

@@ -237,11 +237,12 @@ struct Compute<'a> {
     first: Option<(usize, usize)>,
     trace: Option<&'a mut HopTrace>,
     keep: Option<&'a mut KeptLayer>,
-    /// The layer's weight products' committed rows, hashed together when the layer is done
-    /// ([`Compute::finish`]): a decode step's rows are too short to hash well one by one. One
-    /// batch serves every layer of a hop, so its buffers are allocated once.
+    /// Every leaf the layer commits (its products', cache rows' and attention rows'), hashed
+    /// together when the layer is done ([`Compute::finish`]): a decode step's rows are too
+    /// short to hash well one by one. One batch serves every layer of a hop, so its buffers
+    /// are allocated once.
     batch: &'a mut LeafBatch,
-    /// Per queued product, its trace entry and, when keeping, its place among the kept.
+    /// Per queued set, its trace entry and, when keeping, its place among the kept.
     queued: Vec<(usize, Option<usize>)>,
 }
 
