@@ -56,8 +56,10 @@ const ROOT: u32 = 8;
 const KEYED_HASH: u32 = 16;
 const BLOCK_LEN: usize = 64;
 const CHUNK_LEN: usize = 1024;
-/// Chunks compressed side by side.
+/// Chunks compressed side by side in AVX2.
 const LANES: usize = 8;
+/// Chunks compressed side by side in AVX-512.
+const WIDE_LANES: usize = 16;
 
 /// Messages to hash: each stored from a block boundary of one buffer and zero-padded to whole
 /// blocks, so every block a lane reads is there.
@@ -138,7 +140,13 @@ impl Messages {
     /// [`Messages::keyed_hashes`] always in the lanes (where the machine has AVX2), however few
     /// the chunks: what the tests compare with the `blake3` crate.
     pub fn keyed_hashes_in_lanes(&self) -> Vec<[u8; 32]> {
-        hash_spans(&self.bytes, &self.spans, Route::Lanes)
+        hash_spans(&self.bytes, &self.spans, Route::Lanes { wide: true })
+    }
+
+    /// [`Messages::keyed_hashes_in_lanes`] in the eight AVX2 lanes only, even where AVX-512
+    /// could take sixteen: so a test covers both kernels on a machine with both.
+    pub fn keyed_hashes_in_eight_lanes(&self) -> Vec<[u8; 32]> {
+        hash_spans(&self.bytes, &self.spans, Route::Lanes { wide: false })
     }
 }
 
@@ -149,16 +157,24 @@ impl Messages {
 const MIN_LANE_CHUNKS: usize = 5;
 
 /// Chunks from which a message goes to the crate even in a batch: from eight on the crate
-/// compresses its chunks eight at a time itself, and faster than these lanes (measured: a
+/// compresses its chunks eight at a time itself, and faster than the AVX2 lanes (measured: a
 /// 4096-value row 11 µs by the crate, 15–17 µs in the lanes; a 1536-value row, seven chunks,
-/// 6.2 µs against 5.2 µs).
-const LONG_CHUNKS: usize = 8;
+/// 6.2 µs against 5.2 µs). Where AVX-512 gives sixteen lanes they beat the crate until its own
+/// sixteen-way path starts, at seventeen chunks (four messages of 16 chunks 12.4 µs in the
+/// lanes against 26 µs; of 17 chunks 13.1 µs against 9.0 µs).
+const fn long_chunks(wide: bool) -> usize {
+    match wide {
+        true => 17,
+        false => 8,
+    }
+}
 
-/// Whether a batch may go one message at a time when it is too small for the lanes.
+/// Whether a batch may go one message at a time when it is too small for the lanes, and
+/// whether the lanes may be AVX-512's sixteen.
 #[derive(Clone, Copy, PartialEq)]
 enum Route {
     Auto,
-    Lanes,
+    Lanes { wide: bool },
 }
 
 /// Whether this machine runs the AVX2 lanes.
@@ -211,35 +227,64 @@ fn hash_spans(bytes: &[u8], spans: &[Span], route: Route) -> Vec<[u8; 32]> {
     if !lanes_available() {
         return spans.iter().map(by_crate).collect();
     }
-    if route == Route::Lanes {
-        return hash_in_lanes(bytes, spans);
+    if let Route::Lanes { wide } = route {
+        return hash_in_lanes(bytes, spans, wide && wide_lanes_available());
     }
     // A long message fills the crate's own SIMD paths; the short ones share the lanes when
     // there are enough of them.
-    let short: Vec<Span> = spans
-        .iter()
-        .filter(|s| chunks(s) < LONG_CHUNKS)
-        .copied()
-        .collect();
+    let wide = wide_lanes_available();
+    let long = long_chunks(wide);
+    let short: Vec<Span> = spans.iter().filter(|s| chunks(s) < long).copied().collect();
     let lanes = short.len() >= 2 && short.iter().map(chunks).sum::<usize>() >= MIN_LANE_CHUNKS;
     if !lanes {
         return spans.iter().map(by_crate).collect();
     }
-    let mut from_lanes = hash_in_lanes(bytes, &short).into_iter();
+    let mut from_lanes = hash_in_lanes(bytes, &short, wide).into_iter();
     spans
         .iter()
-        .map(|s| match chunks(s) < LONG_CHUNKS {
+        .map(|s| match chunks(s) < long {
             true => from_lanes.next().expect("one hash per short message"),
             false => by_crate(s),
         })
         .collect()
 }
 
-/// [`hash_spans`] in the lanes (the machine has AVX2).
-fn hash_in_lanes(bytes: &[u8], spans: &[Span]) -> Vec<[u8; 32]> {
+/// The working lists of [`hash_in_lanes`], kept per thread so a decode step's many small
+/// batches do not allocate them afresh.
+#[derive(Default)]
+struct Scratch {
+    jobs: Vec<Job>,
+    first: Vec<usize>,
+    parents: Vec<Parent>,
+    cvs: Vec<[u32; 8]>,
+    level: Vec<usize>,
+    blocks: Vec<u8>,
+    out: Vec<[u32; 8]>,
+    order: Vec<usize>,
+}
+
+/// [`hash_spans`] in the lanes (the machine has AVX2, and AVX-512F if `wide`).
+fn hash_in_lanes(bytes: &[u8], spans: &[Span], wide: bool) -> Vec<[u8; 32]> {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Scratch> = Default::default();
+    }
+    SCRATCH.with_borrow_mut(|scratch| hash_in_lanes_with(bytes, spans, wide, scratch))
+}
+
+fn hash_in_lanes_with(bytes: &[u8], spans: &[Span], wide: bool, s: &mut Scratch) -> Vec<[u8; 32]> {
+    let Scratch {
+        jobs,
+        first,
+        parents,
+        cvs,
+        level,
+        blocks,
+        out,
+        order,
+    } = s;
     // Every chunk of every message, and where each message's chunks start in that list.
-    let mut jobs = Vec::with_capacity(spans.len() * 3);
-    let mut first = Vec::with_capacity(spans.len() + 1);
+    jobs.clear();
+    first.clear();
     for &Span { start, len, key } in spans {
         let key = words(&key);
         first.push(jobs.len());
@@ -260,22 +305,26 @@ fn hash_in_lanes(bytes: &[u8], spans: &[Span]) -> Vec<[u8; 32]> {
     }
     first.push(jobs.len());
     let chunks = jobs.len();
-    // Every message's parents, and the place of each message's root.
-    let mut parents = Vec::new();
-    let roots: Vec<usize> = first
-        .windows(2)
-        .zip(spans)
-        .map(|(w, s)| tree(w[0]..w[1], chunks, &words(&s.key), true, &mut parents).0)
-        .collect();
-    let mut cvs = vec![[0u32; 8]; chunks + parents.len()];
-    compress_jobs(bytes, &jobs, &mut cvs[..chunks]);
+    // Every message's parents, and the place of each message's root (left in `first`).
+    parents.clear();
+    for (i, s) in spans.iter().enumerate() {
+        first[i] = tree(
+            first[i]..first[i + 1],
+            chunks,
+            &words(&s.key),
+            true,
+            parents,
+        )
+        .0;
+    }
+    cvs.clear();
+    cvs.resize(chunks + parents.len(), [0; 8]);
+    compress_jobs(bytes, jobs, &mut cvs[..chunks], wide, order);
     // The parents a level at a time (each level's children are all done), side by side too.
     let top = parents.iter().map(|p| p.height).max().unwrap_or(0);
-    let mut blocks = Vec::new();
     for height in 1..=top {
-        let level: Vec<usize> = (0..parents.len())
-            .filter(|&p| parents[p].height == height)
-            .collect();
+        level.clear();
+        level.extend((0..parents.len()).filter(|&p| parents[p].height == height));
         blocks.clear();
         jobs.clear();
         for (i, &p) in level.iter().enumerate() {
@@ -292,13 +341,14 @@ fn hash_in_lanes(bytes: &[u8], spans: &[Span]) -> Vec<[u8; 32]> {
                 end: if parents[p].root { ROOT } else { 0 },
             });
         }
-        let mut out = vec![[0u32; 8]; level.len()];
-        compress_jobs(&blocks, &jobs, &mut out);
-        for (&p, cv) in level.iter().zip(out) {
-            cvs[chunks + p] = cv;
+        out.clear();
+        out.resize(level.len(), [0; 8]);
+        compress_jobs(blocks, jobs, out, wide, order);
+        for (&p, cv) in level.iter().zip(out.iter()) {
+            cvs[chunks + p] = *cv;
         }
     }
-    roots
+    first[..spans.len()]
         .iter()
         .map(|&r| {
             let mut out = [0u8; 32];
@@ -338,164 +388,198 @@ fn tree(
     (base + parents.len() - 1, 1 + hl.max(hr))
 }
 
-/// The chaining value of every job into `cvs`, in the lanes: the jobs longest first, so each
-/// group of eight runs about as many blocks in every lane.
-fn compress_jobs(bytes: &[u8], jobs: &[Job], cvs: &mut [[u32; 8]]) {
-    let mut order: Vec<usize> = (0..jobs.len()).collect();
-    order.sort_by_key(|&j| Reverse(jobs[j].blocks));
-    for group in order.chunks(LANES) {
-        let lane_jobs: [Option<Job>; LANES] =
-            std::array::from_fn(|l| group.get(l).map(|&j| jobs[j]));
-        let mut out = [[0u32; 8]; LANES];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: only reached where AVX2 was detected (`hash_spans`); the kernel checks that
-        // every block of every job lies in `bytes`.
-        unsafe {
-            avx2::jobs_x8(bytes, &lane_jobs, &mut out)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("lanes without AVX2: {bytes:p} {}", lane_jobs.len());
-        for (&j, cv) in group.iter().zip(out) {
-            cvs[j] = cv;
+/// Whether this machine runs the sixteen-lane AVX-512 kernel too.
+fn wide_lanes_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The chaining value of every job into `cvs`, in the lanes: sixteen if `wide` (the machine
+/// has AVX-512F), otherwise eight. Each lane takes the next job as soon as its last one is
+/// done, so lanes stay full however unequal the jobs; the jobs go longest first, so the last
+/// steps, where lanes run out of jobs, are short ones.
+fn compress_jobs(
+    bytes: &[u8],
+    jobs: &[Job],
+    cvs: &mut [[u32; 8]],
+    wide: bool,
+    order: &mut Vec<usize>,
+) {
+    order.clear();
+    order.extend(0..jobs.len());
+    order.sort_unstable_by_key(|&j| Reverse(jobs[j].blocks));
+    #[cfg(target_arch = "x86_64")]
+    match wide {
+        // SAFETY (both): `wide` only where AVX-512F was detected, the eight lanes only where
+        // AVX2 was (`hash_spans`).
+        true => {
+            run_lanes::<WIDE_LANES>(bytes, jobs, order, cvs, |l| unsafe { avx512::step_x16(l) })
+        }
+        false => run_lanes::<LANES>(bytes, jobs, order, cvs, |l| unsafe { avx2::step_x8(l) }),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!(
+        "lanes without AVX2: {bytes:p} {} {} {wide} {}",
+        jobs.len(),
+        cvs.len(),
+        order.len()
+    );
+}
+
+/// What `N` lanes compress in one step: one block each, from the chaining value, counter,
+/// block length and flags of its lane (word `i` of every lane's chaining value in `cv[i]`).
+/// A step leaves each lane's next chaining value in `cv`.
+struct Lanes<'a, const N: usize> {
+    blocks: [&'a [u8; BLOCK_LEN]; N],
+    cv: [[u32; N]; 8],
+    counter_lo: [u32; N],
+    counter_hi: [u32; N],
+    len: [u32; N],
+    flags: [u32; N],
+}
+
+/// A block of zeros: what a lane without a job reads.
+static ZERO_BLOCK: [u8; BLOCK_LEN] = [0; BLOCK_LEN];
+
+/// Runs `jobs` in the order `order` through `N` lanes, one block per lane per `step`, each
+/// lane refilled from the queue when its job ends; each job's chaining value into `cvs`.
+#[cfg(target_arch = "x86_64")]
+fn run_lanes<const N: usize>(
+    bytes: &[u8],
+    jobs: &[Job],
+    order: &[usize],
+    cvs: &mut [[u32; 8]],
+    step: impl Fn(&mut Lanes<'_, N>),
+) {
+    let mut lanes = Lanes {
+        blocks: [&ZERO_BLOCK; N],
+        cv: [[0; N]; 8],
+        counter_lo: [0; N],
+        counter_hi: [0; N],
+        len: [0; N],
+        flags: [0; N],
+    };
+    // Per lane: its job and the block it is at.
+    let mut at: [Option<(usize, usize)>; N] = [None; N];
+    let mut queue = order.iter();
+    loop {
+        let mut busy = false;
+        for l in 0..N {
+            if at[l].is_none() {
+                if let Some(&j) = queue.next() {
+                    let job = &jobs[j];
+                    for (w, k) in lanes.cv.iter_mut().zip(job.key) {
+                        w[l] = k;
+                    }
+                    lanes.counter_lo[l] = job.counter as u32;
+                    lanes.counter_hi[l] = (job.counter >> 32) as u32;
+                    at[l] = Some((j, 0));
+                }
+            }
+            let Some((j, b)) = at[l] else {
+                lanes.blocks[l] = &ZERO_BLOCK;
+                continue;
+            };
+            busy = true;
+            let job = &jobs[j];
+            let from = job.at + b * BLOCK_LEN;
+            lanes.blocks[l] = bytes[from..from + BLOCK_LEN]
+                .try_into()
+                .expect("a block is 64 bytes");
+            let last = b + 1 == job.blocks;
+            lanes.len[l] = if last { job.last_len } else { BLOCK_LEN as u32 };
+            lanes.flags[l] =
+                KEYED_HASH | if b == 0 { job.start } else { 0 } | if last { job.end } else { 0 };
+        }
+        if !busy {
+            return;
+        }
+        step(&mut lanes);
+        for (l, lane) in at.iter_mut().enumerate() {
+            if let Some((j, b)) = *lane {
+                *lane = match b + 1 == jobs[j].blocks {
+                    true => {
+                        cvs[j] = std::array::from_fn(|i| lanes.cv[i][l]);
+                        None
+                    }
+                    false => Some((j, b + 1)),
+                };
+            }
         }
     }
 }
 
+/// BLAKE3's seven rounds over a state of sixteen vectors with `g` as the quarter-round on
+/// them; written out (a macro, not a loop), so every message index is a constant.
+#[cfg(target_arch = "x86_64")]
+macro_rules! rounds {
+    ($g:ident, $s:ident, $m:ident) => {
+        for r in &SCHEDULE {
+            $g(&mut $s, 0, 4, 8, 12, $m[r[0]], $m[r[1]]);
+            $g(&mut $s, 1, 5, 9, 13, $m[r[2]], $m[r[3]]);
+            $g(&mut $s, 2, 6, 10, 14, $m[r[4]], $m[r[5]]);
+            $g(&mut $s, 3, 7, 11, 15, $m[r[6]], $m[r[7]]);
+            $g(&mut $s, 0, 5, 10, 15, $m[r[8]], $m[r[9]]);
+            $g(&mut $s, 1, 6, 11, 12, $m[r[10]], $m[r[11]]);
+            $g(&mut $s, 2, 7, 8, 13, $m[r[12]], $m[r[13]]);
+            $g(&mut $s, 3, 4, 9, 14, $m[r[14]], $m[r[15]]);
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! Eight jobs' compressions side by side: lane `l` of every vector belongs to job `l`.
+    //! Eight compressions side by side: lane `l` of every vector belongs to lane `l`'s block.
 
-    use super::{Job, BLOCK_LEN, IV, KEYED_HASH, LANES, SCHEDULE};
+    use super::{Lanes, IV, LANES, SCHEDULE};
     use std::arch::x86_64::*;
 
-    /// A block of zeros: what a lane without a job (or past its job's end) reads.
-    static ZERO_BLOCK: [u8; BLOCK_LEN] = [0; BLOCK_LEN];
-
-    /// The chaining value of each given job into `out` (a lane without a job is left alone).
-    /// Panics unless `bytes` holds every block of every job whole.
-    ///
-    /// # Safety
-    /// AVX2 must be available.
+    /// One compression step of eight lanes ([`Lanes`]).
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn jobs_x8(
-        bytes: &[u8],
-        chunks: &[Option<Job>; LANES],
-        out: &mut [[u32; 8]; LANES],
-    ) {
-        for c in chunks.iter().flatten() {
-            assert!(
-                c.at + c.blocks * BLOCK_LEN <= bytes.len(),
-                "a job's blocks lie in the buffer"
-            );
-        }
-        let blocks = chunks.iter().flatten().map(|c| c.blocks).max().unwrap_or(0);
-        let per_lane = |f: &dyn Fn(&Job) -> u32| -> __m256i {
-            let v: [u32; LANES] = std::array::from_fn(|l| chunks[l].as_ref().map_or(0, f));
-            // SAFETY: an unaligned load of eight u32s from an array of eight.
-            unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
-        };
-        // Each lane starts from its own message's key.
-        let mut cv: [__m256i; 8] = std::array::from_fn(|i| per_lane(&|c| c.key[i]));
-        let counter_lo = per_lane(&|c| c.counter as u32);
-        let counter_hi = per_lane(&|c| (c.counter >> 32) as u32);
-        // A lane without a job has no blocks, so it is never active.
-        let lane_blocks = per_lane(&|c| c.blocks as u32);
-        let last_len = per_lane(&|c| c.last_len);
-        let start_flags = per_lane(&|c| c.start);
-        let end_flags = per_lane(&|c| c.end);
-        let keyed = _mm256_set1_epi32(KEYED_HASH as i32);
-        let full = _mm256_set1_epi32(BLOCK_LEN as i32);
-        let base: [*const u8; LANES] = std::array::from_fn(|l| match &chunks[l] {
-            Some(c) => bytes[c.at..].as_ptr(),
-            None => ZERO_BLOCK.as_ptr(),
-        });
-        let lane_count: [usize; LANES] = std::array::from_fn(|l| chunks[l].map_or(0, |c| c.blocks));
-        for b in 0..blocks {
-            let ptrs: [*const u8; LANES] = std::array::from_fn(|l| {
-                if b < lane_count[l] {
-                    // SAFETY: block `b` of this lane's job lies in `bytes` (checked above).
-                    unsafe { base[l].add(b * BLOCK_LEN) }
-                } else {
-                    ZERO_BLOCK.as_ptr()
-                }
-            });
-            let bv = _mm256_set1_epi32(b as i32);
-            let active = _mm256_cmpgt_epi32(lane_blocks, bv);
-            let last = _mm256_cmpeq_epi32(_mm256_sub_epi32(lane_blocks, _mm256_set1_epi32(1)), bv);
-            let len = _mm256_blendv_epi8(full, last_len, last);
-            let mut flags = _mm256_or_si256(keyed, _mm256_and_si256(last, end_flags));
-            if b == 0 {
-                flags = _mm256_or_si256(flags, start_flags);
-            }
-            // SAFETY: each pointer starts a whole block (checked above, or the zero block).
-            let m = unsafe { load_transposed(&ptrs) };
-            let mut s = [
-                cv[0],
-                cv[1],
-                cv[2],
-                cv[3],
-                cv[4],
-                cv[5],
-                cv[6],
-                cv[7],
-                _mm256_set1_epi32(IV[0] as i32),
-                _mm256_set1_epi32(IV[1] as i32),
-                _mm256_set1_epi32(IV[2] as i32),
-                _mm256_set1_epi32(IV[3] as i32),
-                counter_lo,
-                counter_hi,
-                len,
-                flags,
-            ];
-            // Written out (a macro, not a call), so every round's message indices are constants.
-            macro_rules! round {
-                ($r:expr) => {{
-                    let r = &SCHEDULE[$r];
-                    g(&mut s, 0, 4, 8, 12, m[r[0]], m[r[1]]);
-                    g(&mut s, 1, 5, 9, 13, m[r[2]], m[r[3]]);
-                    g(&mut s, 2, 6, 10, 14, m[r[4]], m[r[5]]);
-                    g(&mut s, 3, 7, 11, 15, m[r[6]], m[r[7]]);
-                    g(&mut s, 0, 5, 10, 15, m[r[8]], m[r[9]]);
-                    g(&mut s, 1, 6, 11, 12, m[r[10]], m[r[11]]);
-                    g(&mut s, 2, 7, 8, 13, m[r[12]], m[r[13]]);
-                    g(&mut s, 3, 4, 9, 14, m[r[14]], m[r[15]]);
-                }};
-            }
-            round!(0);
-            round!(1);
-            round!(2);
-            round!(3);
-            round!(4);
-            round!(5);
-            round!(6);
-            for i in 0..8 {
-                let next = _mm256_xor_si256(s[i], s[i + 8]);
-                // A lane past its job's end keeps the chaining value it finished with.
-                cv[i] = _mm256_blendv_epi8(cv[i], next, active);
-            }
-        }
-        let words = transpose(cv);
-        for (l, c) in chunks.iter().enumerate() {
-            if c.is_some() {
-                let mut w = [0u32; 8];
-                // SAFETY: an unaligned store of eight u32s into an array of eight.
-                unsafe { _mm256_storeu_si256(w.as_mut_ptr().cast(), words[l]) };
-                out[l] = w;
-            }
+    pub(super) fn step_x8(l: &mut Lanes<'_, LANES>) {
+        // SAFETY (every load and store here): unaligned, of eight u32s from or into an array
+        // of eight.
+        let load = |a: &[u32; LANES]| unsafe { _mm256_loadu_si256(a.as_ptr().cast()) };
+        let m = load_transposed(&l.blocks);
+        let mut s = [
+            load(&l.cv[0]),
+            load(&l.cv[1]),
+            load(&l.cv[2]),
+            load(&l.cv[3]),
+            load(&l.cv[4]),
+            load(&l.cv[5]),
+            load(&l.cv[6]),
+            load(&l.cv[7]),
+            _mm256_set1_epi32(IV[0] as i32),
+            _mm256_set1_epi32(IV[1] as i32),
+            _mm256_set1_epi32(IV[2] as i32),
+            _mm256_set1_epi32(IV[3] as i32),
+            load(&l.counter_lo),
+            load(&l.counter_hi),
+            load(&l.len),
+            load(&l.flags),
+        ];
+        rounds!(g, s, m);
+        for i in 0..8 {
+            let next = _mm256_xor_si256(s[i], s[i + 8]);
+            unsafe { _mm256_storeu_si256(l.cv[i].as_mut_ptr().cast(), next) };
         }
     }
 
     /// The sixteen message words of each lane's block, word `i` of every lane in vector `i`.
-    ///
-    /// # Safety
-    /// Each pointer must start 64 readable bytes.
     #[target_feature(enable = "avx2")]
-    unsafe fn load_transposed(ptrs: &[*const u8; LANES]) -> [__m256i; 16] {
-        // SAFETY: each pointer starts 64 readable bytes (the caller's promise).
+    fn load_transposed(blocks: &[&[u8; 64]; LANES]) -> [__m256i; 16] {
+        // SAFETY: unaligned loads of 32 bytes at offsets 0 and 32 of 64-byte arrays.
         let lo: [__m256i; 8] =
-            std::array::from_fn(|l| unsafe { _mm256_loadu_si256(ptrs[l].cast()) });
+            std::array::from_fn(|l| unsafe { _mm256_loadu_si256(blocks[l].as_ptr().cast()) });
         let hi: [__m256i; 8] =
-            std::array::from_fn(|l| unsafe { _mm256_loadu_si256(ptrs[l].add(32).cast()) });
+            std::array::from_fn(|l| unsafe { _mm256_loadu_si256(blocks[l][32..].as_ptr().cast()) });
         let (lo, hi) = (transpose(lo), transpose(hi));
         std::array::from_fn(|i| if i < 8 { lo[i] } else { hi[i - 8] })
     }
@@ -584,6 +668,99 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! Sixteen compressions side by side: the AVX2 lanes' steps, with AVX-512's rotations.
+
+    use super::{Lanes, IV, SCHEDULE, WIDE_LANES};
+    use std::arch::x86_64::*;
+
+    /// One compression step of sixteen lanes ([`Lanes`]).
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn step_x16(l: &mut Lanes<'_, WIDE_LANES>) {
+        // SAFETY (every load and store here): unaligned, of sixteen u32s from or into an array
+        // of sixteen.
+        let load = |a: &[u32; WIDE_LANES]| unsafe { _mm512_loadu_si512(a.as_ptr().cast()) };
+        // SAFETY: unaligned loads of 64-byte arrays.
+        let rows: [__m512i; 16] =
+            std::array::from_fn(|i| unsafe { _mm512_loadu_si512(l.blocks[i].as_ptr().cast()) });
+        let m = transpose(rows);
+        let mut s = [
+            load(&l.cv[0]),
+            load(&l.cv[1]),
+            load(&l.cv[2]),
+            load(&l.cv[3]),
+            load(&l.cv[4]),
+            load(&l.cv[5]),
+            load(&l.cv[6]),
+            load(&l.cv[7]),
+            _mm512_set1_epi32(IV[0] as i32),
+            _mm512_set1_epi32(IV[1] as i32),
+            _mm512_set1_epi32(IV[2] as i32),
+            _mm512_set1_epi32(IV[3] as i32),
+            load(&l.counter_lo),
+            load(&l.counter_hi),
+            load(&l.len),
+            load(&l.flags),
+        ];
+        rounds!(g, s, m);
+        for i in 0..8 {
+            let next = _mm512_xor_si512(s[i], s[i + 8]);
+            unsafe { _mm512_storeu_si512(l.cv[i].as_mut_ptr().cast(), next) };
+        }
+    }
+
+    /// The 16 × 16 transpose of 32-bit words: word `j` of vector `i` becomes word `i` of
+    /// vector `j`. Interleaving pairs of rows by words, then by word pairs, leaves in 128-bit
+    /// lane `q` of `u[g][j]` word `4q + j` of rows `4g..4g + 4`; two rounds of 128-bit lane
+    /// shuffles gather each word's four lanes.
+    #[target_feature(enable = "avx512f")]
+    fn transpose(r: [__m512i; 16]) -> [__m512i; 16] {
+        let t: [__m512i; 16] = std::array::from_fn(|i| match i % 2 {
+            0 => _mm512_unpacklo_epi32(r[i], r[i + 1]),
+            _ => _mm512_unpackhi_epi32(r[i - 1], r[i]),
+        });
+        // u[g][j]: from rows 4g..4g+4, word 4q + j in lane q.
+        let u: [[__m512i; 4]; 4] = std::array::from_fn(|g| {
+            let (a, b) = (4 * g, 4 * g + 2);
+            [
+                _mm512_unpacklo_epi64(t[a], t[b]),
+                _mm512_unpackhi_epi64(t[a], t[b]),
+                _mm512_unpacklo_epi64(t[a + 1], t[b + 1]),
+                _mm512_unpackhi_epi64(t[a + 1], t[b + 1]),
+            ]
+        });
+        let mut out = [_mm512_setzero_si512(); 16];
+        for j in 0..4 {
+            // Lanes (0, 2) and (1, 3) of rows 0..8 and of rows 8..16.
+            let v0 = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[0][j], u[1][j]);
+            let v1 = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[0][j], u[1][j]);
+            let v2 = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[2][j], u[3][j]);
+            let v3 = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[2][j], u[3][j]);
+            out[j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v0, v2);
+            out[4 + j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v1, v3);
+            out[8 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v0, v2);
+            out[12 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v1, v3);
+        }
+        out
+    }
+
+    /// BLAKE3's quarter-round on sixteen lanes at once.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn g(s: &mut [__m512i; 16], a: usize, b: usize, c: usize, d: usize, x: __m512i, y: __m512i) {
+        s[a] = _mm512_add_epi32(_mm512_add_epi32(s[a], s[b]), x);
+        s[d] = _mm512_ror_epi32::<16>(_mm512_xor_si512(s[d], s[a]));
+        s[c] = _mm512_add_epi32(s[c], s[d]);
+        s[b] = _mm512_ror_epi32::<12>(_mm512_xor_si512(s[b], s[c]));
+        s[a] = _mm512_add_epi32(_mm512_add_epi32(s[a], s[b]), y);
+        s[d] = _mm512_ror_epi32::<8>(_mm512_xor_si512(s[d], s[a]));
+        s[c] = _mm512_add_epi32(s[c], s[d]);
+        s[b] = _mm512_ror_epi32::<7>(_mm512_xor_si512(s[b], s[c]));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -620,6 +797,7 @@ mod tests {
             .map(|(i, &len)| *blake3::keyed_hash(&key, &message(len, i as u8)).as_bytes())
             .collect();
         assert_eq!(m.keyed_hashes_in_lanes(), want, "lanes");
+        assert_eq!(m.keyed_hashes_in_eight_lanes(), want, "eight lanes");
         assert_eq!(m.keyed_hashes(), want, "lanes or not");
         assert_eq!(m.keyed_hashes_par(), want, "lanes on a pool");
     }
@@ -649,6 +827,7 @@ mod tests {
             }
             prop_assert_eq!(m.len(), lens.len());
             prop_assert_eq!(&m.keyed_hashes_in_lanes(), &want);
+            prop_assert_eq!(&m.keyed_hashes_in_eight_lanes(), &want);
             prop_assert_eq!(&m.keyed_hashes(), &want);
             prop_assert_eq!(&m.keyed_hashes_par(), &want);
         }
