@@ -252,6 +252,16 @@ fn f32_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
+/// The commitment to activations whose first row is at position `start`, rows of `width`
+/// values: `H_activations(start: u64 LE, width: u64 LE, the values as f32 LE)`.
+pub fn activations_commitment(start: usize, width: usize, values: &[f32]) -> Commitment {
+    let mut h = Domain::Activations.hasher();
+    h.update(&(start as u64).to_le_bytes());
+    h.update(&(width as u64).to_le_bytes());
+    update_f32(&mut h, values);
+    Commitment(*h.finalize().as_bytes())
+}
+
 /// The Merkle leaf of one output row of a product at absolute sequence `position`:
 /// `H_product_row(position: u64 LE, columns: u64 LE, the row's values as f32 LE)`, the values
 /// being the exact accumulators rounded once to f32 (NUMERICS.md §3, before any bias), bit for
@@ -269,14 +279,25 @@ pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
 /// at a time leave BLAKE3's SIMD idle), in sets that are each committed as a product is
 /// (`gemm_commitment(leaves, cols, root)`): a prefill's rows of one product, or everything a
 /// decode step commits in a layer (its products' rows, its cache rows, its attention rows).
-/// Every leaf is bit for bit the one hashed alone (tested).
+/// A set may instead be one message whose hash is its commitment (a layer's input
+/// activations). Every leaf and commitment is bit for bit the one hashed alone (tested).
 #[derive(Clone, Debug, Default)]
 pub struct LeafBatch {
     messages: Messages,
-    /// Per closed set: the columns its commitment names and its number of leaves.
-    sets: Vec<(usize, usize)>,
+    /// The sets' Merkle nodes and commitments, a level at a time (kept for its buffers).
+    nodes: Messages,
+    sets: Vec<Set>,
     /// Leaves added since the last set was closed.
     open: usize,
+}
+
+/// A closed set of a [`LeafBatch`].
+#[derive(Clone, Copy, Debug)]
+enum Set {
+    /// Leaves committed as a product: the columns its commitment names and how many leaves.
+    Leaves { cols: usize, rows: usize },
+    /// One message, its hash the set's commitment.
+    Message,
 }
 
 impl LeafBatch {
@@ -299,9 +320,32 @@ impl LeafBatch {
         );
     }
 
+    /// Queues, as a set of its own, the hash in `domain` of `parts`, concatenated
+    /// ([`Domain::hash`] of them): its commitment, with no leaves. No set may be open.
+    pub fn message(&mut self, domain: Domain, parts: &[&[u8]]) {
+        assert_eq!(self.open, 0, "a message is queued between sets");
+        self.messages.push(domain.key(), parts);
+        self.sets.push(Set::Message);
+    }
+
+    /// Queues, as a set of its own, [`activations_commitment`] of these activations.
+    pub fn activations(&mut self, start: usize, width: usize, values: &[f32]) {
+        self.message(
+            Domain::Activations,
+            &[
+                &(start as u64).to_le_bytes(),
+                &(width as u64).to_le_bytes(),
+                &f32_le_bytes(values),
+            ],
+        );
+    }
+
     /// Closes the open set; its commitment names `cols`.
     pub fn end_set(&mut self, cols: usize) {
-        self.sets.push((cols, self.open));
+        self.sets.push(Set::Leaves {
+            cols,
+            rows: self.open,
+        });
         self.open = 0;
     }
 
@@ -326,13 +370,14 @@ impl LeafBatch {
         self.sets.is_empty() && self.open == 0
     }
 
-    /// The number of leaves queued, over all sets.
+    /// The number of messages queued (leaves and lone messages), over all sets.
     pub fn rows(&self) -> usize {
         self.messages.len()
     }
 
     /// Each set's commitment and leaves, in the order they were queued, hashed on the current
-    /// rayon pool when `parallel` (the same bits). Leaves the batch empty, its buffers kept
+    /// rayon pool when `parallel` (the same bits). The sets' Merkle nodes and commitments are
+    /// hashed together too, a tree level at a time. Leaves the batch empty, its buffers kept
     /// for the next. Panics if a set is still open.
     pub fn finish(&mut self, parallel: bool) -> Vec<(Commitment, Vec<Commitment>)> {
         assert_eq!(self.open, 0, "every set closed before the batch is hashed");
@@ -341,18 +386,107 @@ impl LeafBatch {
             false => self.messages.keyed_hashes(),
         };
         let mut hashes = hashes.into_iter().map(Commitment);
-        let done = self
-            .sets
+        let mut done = Vec::with_capacity(self.sets.len());
+        let mut products = Vec::new();
+        for (i, &set) in self.sets.iter().enumerate() {
+            match set {
+                Set::Leaves { cols, rows } => {
+                    products.push((i, cols));
+                    done.push((Commitment::default(), hashes.by_ref().take(rows).collect()));
+                }
+                Set::Message => {
+                    done.push((hashes.next().expect("one hash per message"), Vec::new()));
+                }
+            }
+        }
+        let leaves: Vec<(usize, &[Commitment])> = products
             .iter()
-            .map(|&(cols, rows)| {
-                let leaves: Vec<Commitment> = hashes.by_ref().take(rows).collect();
-                (commit_leaves(cols, &leaves), leaves)
-            })
+            .map(|&(i, cols)| (cols, &done[i].1[..]))
             .collect();
+        let commitments = commit_leaf_sets_with(&leaves, &mut self.nodes);
+        for (&(i, _), c) in products.iter().zip(commitments) {
+            done[i].0 = c;
+        }
         self.messages.clear();
         self.sets.clear();
         done
     }
+}
+
+/// [`commit_leaves`] of several sets of leaves at once, each given with its columns: their
+/// Merkle trees a level at a time, each level's nodes (and then every set's commitment) hashed
+/// side by side ([`Messages`]), with the same bits as one set at a time.
+pub fn commit_leaf_sets(sets: &[(usize, &[Commitment])]) -> Vec<Commitment> {
+    commit_leaf_sets_with(sets, &mut Messages::default())
+}
+
+/// [`commit_leaf_sets`] hashing in `level`'s buffers.
+fn commit_leaf_sets_with(sets: &[(usize, &[Commitment])], level: &mut Messages) -> Vec<Commitment> {
+    /// A Merkle node to hash: its children's places among the values (leaves first).
+    struct Node {
+        left: usize,
+        right: usize,
+        height: usize,
+    }
+    /// The nodes of the tree over `leaves` (places among the values), each appended with its
+    /// place `base + index`; returns the place of its root and its height.
+    fn tree(leaves: std::ops::Range<usize>, base: usize, nodes: &mut Vec<Node>) -> (usize, usize) {
+        if leaves.len() == 1 {
+            return (leaves.start, 0);
+        }
+        let k = split(leaves.len());
+        let (left, hl) = tree(leaves.start..leaves.start + k, base, nodes);
+        let (right, hr) = tree(leaves.start + k..leaves.end, base, nodes);
+        let height = 1 + hl.max(hr);
+        nodes.push(Node {
+            left,
+            right,
+            height,
+        });
+        (base + nodes.len() - 1, height)
+    }
+    let mut values: Vec<Commitment> = sets.iter().flat_map(|(_, l)| l.iter().copied()).collect();
+    let base = values.len();
+    let mut nodes = Vec::new();
+    let mut at = 0;
+    // Each set's root: a place among the values, or `None` for a set without leaves.
+    let roots: Vec<Option<usize>> = sets
+        .iter()
+        .map(|(_, l)| {
+            let first = at;
+            at += l.len();
+            (!l.is_empty()).then(|| tree(first..at, base, &mut nodes).0)
+        })
+        .collect();
+    values.resize(base + nodes.len(), Commitment::default());
+    let top = nodes.iter().map(|n| n.height).max().unwrap_or(0);
+    for height in 1..=top {
+        level.clear();
+        let at: Vec<usize> = (0..nodes.len())
+            .filter(|&n| nodes[n].height == height)
+            .collect();
+        for &n in &at {
+            let (l, r) = (&values[nodes[n].left], &values[nodes[n].right]);
+            level.push(Domain::MerkleNode.key(), &[&l.0, &r.0]);
+        }
+        for (&n, h) in at.iter().zip(level.keyed_hashes()) {
+            values[base + n] = Commitment(h);
+        }
+    }
+    level.clear();
+    for ((cols, leaves), root) in sets.iter().zip(&roots) {
+        // No leaves: the root is the hash of nothing (`merkle_root`).
+        let root = root.map_or_else(|| Domain::MerkleNode.hash(&[]), |r| values[r]);
+        level.push(
+            Domain::Gemm.key(),
+            &[
+                &(leaves.len() as u64).to_le_bytes(),
+                &(*cols as u64).to_le_bytes(),
+                &root.0,
+            ],
+        );
+    }
+    level.keyed_hashes().into_iter().map(Commitment).collect()
 }
 
 /// The commitment of a product with `cols` values per row from the leaves of its committed
@@ -601,6 +735,17 @@ mod tests {
                     .collect();
                 want.push((commit_leaves(cols, &leaves), leaves));
             }
+            // A lone message (as a stage queues its layer's input activations).
+            let acts: Vec<f32> = (0..shapes.len() * 300).map(|v| v as f32 * 0.5 - 3.0).collect();
+            batch.activations(shapes.len(), 300, &acts);
+            let bytes: Vec<u8> = [(shapes.len() as u64).to_le_bytes(), 300u64.to_le_bytes()]
+                .concat()
+                .into_iter()
+                .chain(acts.iter().flat_map(|v| v.to_le_bytes()))
+                .collect();
+            let want_acts = Domain::Activations.hash(&bytes);
+            proptest::prop_assert_eq!(activations_commitment(shapes.len(), 300, &acts), want_acts);
+            want.push((want_acts, Vec::new()));
             // A set of other leaves (as a stage queues its cache rows) between the products.
             let cache: Vec<u8> = (0..200u8).collect();
             for (pos, row) in cache.chunks(40).enumerate() {
@@ -618,11 +763,34 @@ mod tests {
                 })
                 .collect();
             want.push((commit_leaves(40, &leaves), leaves));
-            proptest::prop_assert_eq!(batch.len(), shapes.len() + 1);
+            proptest::prop_assert_eq!(batch.len(), shapes.len() + 2);
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
             let got = pool.install(|| batch.finish(parallel));
             proptest::prop_assert_eq!(got, want);
             proptest::prop_assert!(batch.is_empty(), "finishing empties the batch");
+        }
+
+        /// Sets of any number of leaves (none, one, up to past a tree's fifth level) committed
+        /// together give each set's [`commit_leaves`].
+        #[test]
+        fn sets_committed_together_commit_as_each_alone(
+            sizes in proptest::collection::vec((0usize..70, 1usize..5000), 0..12),
+            seed in proptest::num::u64::ANY,
+        ) {
+            let sets: Vec<(usize, Vec<Commitment>)> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &(n, cols))| {
+                    let leaves = (0..n)
+                        .map(|j| Domain::ProductRow.hash(&[seed.to_le_bytes(), (i * 100 + j).to_le_bytes()].concat()))
+                        .collect();
+                    (cols, leaves)
+                })
+                .collect();
+            let refs: Vec<(usize, &[Commitment])> =
+                sets.iter().map(|(c, l)| (*c, &l[..])).collect();
+            let want: Vec<Commitment> = sets.iter().map(|(c, l)| commit_leaves(*c, l)).collect();
+            proptest::prop_assert_eq!(commit_leaf_sets(&refs), want);
         }
     }
 

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use dc_kernels::commit::LeafBatch;
+use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
-use dc_kernels::{Commitment, Domain, Gemm, QuantizedRows};
+use dc_kernels::{Commitment, Gemm, QuantizedRows};
 
 use crate::attention::{
     attend_queued_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
@@ -71,13 +71,7 @@ impl Activations {
 
     /// Canonical commitment to the activations (position, width, little-endian f32 bytes).
     pub fn commitment(&self) -> Commitment {
-        let mut bytes = Vec::with_capacity(16 + self.data.len() * 4);
-        bytes.extend_from_slice(&(self.start as u64).to_le_bytes());
-        bytes.extend_from_slice(&(self.hidden as u64).to_le_bytes());
-        for v in &self.data {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        Domain::Activations.hash(&bytes)
+        activations_commitment(self.start, self.hidden, &self.data)
     }
 
     /// Refuses NaN and infinities, naming where they are.
@@ -257,6 +251,18 @@ impl Compute<'_> {
         let entry = t.entries.len() - 1;
         let kept = self.keep.as_deref_mut().and_then(keep);
         self.queued.push((entry, kept));
+    }
+
+    /// Queues the commitment of the layer's input `x`, from the trace's first position on
+    /// (what [`Activations::commitment`] of those rows gives), as its trace entry.
+    fn queue_input(&mut self, x: &Activations) {
+        let Some(t) = self.trace.as_deref() else {
+            return;
+        };
+        let skip = t.from.saturating_sub(x.start).min(x.rows());
+        self.batch
+            .activations(x.start + skip, x.hidden, &x.data[skip * x.hidden..]);
+        self.queue_entry(Point::Input, |_| None);
     }
 
     /// Hashes the queued leaves and puts each set's commitment into its trace entry and its
@@ -643,9 +649,6 @@ impl Model {
             let layer = self.layers.get(&i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))
             })?;
-            if let Some(t) = trace.as_deref_mut() {
-                t.push(i, Point::Input, x.rows_from(t.from).commitment());
-            }
             let mut kept = keep.is_some().then(|| KeptLayer::new(i, x.clone()));
             let mut products = Compute {
                 model: self,
@@ -659,6 +662,7 @@ impl Model {
                 batch: &mut batch,
                 queued: Vec::new(),
             };
+            products.queue_input(&x);
             // A stage's products never stop a block early.
             x = self
                 .block(&Glue::of(layer), i, x, &mut products)?
