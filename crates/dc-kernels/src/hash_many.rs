@@ -1,5 +1,7 @@
 //! Keyed BLAKE3 of many short messages at once: the same 32 bytes as `blake3::keyed_hash` for
-//! each message, with the chunks of all of them compressed eight at a time in AVX2 lanes.
+//! each message, with the chunks of all of them compressed sixteen at a time in AVX-512 lanes
+//! (eight in AVX2 where the machine has no AVX-512), each lane taking the next chunk the moment
+//! it finishes one.
 //!
 //! Why: a product's row leaf is a short message (a SmolLM2 row is 2.3 KB, two chunks and a
 //! bit). Hashed one at a time, each chunk's sixteen compressions run one after another, and the
@@ -13,6 +15,11 @@
 //! right, keyed mode's flag and key on every compression). The lanes are property-tested
 //! against the `blake3` crate on lengths around every block and chunk boundary; a batch too
 //! small to fill them, or a machine without AVX2, is hashed by the crate itself.
+//!
+//! Measured on a SmolLM2 decode layer's batch (31 KB: its products', cache and attention rows):
+//! 6.5 µs in sixteen lanes, 12 µs in eight, 22 µs by the crate one message at a time; sixteen
+//! full lanes run at 0.2 ns per byte, where the crate reaches 0.13 only on one message of 17
+//! chunks or more.
 
 use std::cmp::Reverse;
 
@@ -150,10 +157,10 @@ impl Messages {
     }
 }
 
-/// Fewest chunks worth the lanes: a group of eight lanes costs about three serial compressions
-/// per block step and runs as many steps as its longest chunk has blocks, so a SmolLM2 row
-/// alone (three chunks) hashes faster one compression after another, and two rows faster in
-/// the lanes. A lone message of any length goes to the crate.
+/// Fewest chunks worth the lanes: a step of the lanes costs a few serial compressions, so a
+/// SmolLM2 row alone (three chunks) hashes faster by the crate (2.0 µs against 2.4 µs in
+/// sixteen lanes), and two rows faster in the lanes (2.6 µs against 4.0 µs). A lone message of
+/// any length goes to the crate.
 const MIN_LANE_CHUNKS: usize = 5;
 
 /// Chunks from which a message goes to the crate even in a batch: from eight on the crate
