@@ -271,8 +271,11 @@ impl Compute<'_> {
         if self.batch.is_empty() {
             return;
         }
-        // A prefill's rows are worth the engine's threads; a decode step's few are not.
-        let many = self.batch.rows() > 8;
+        // A prefill's rows are worth the engine's threads; a decode step's dozen messages (one
+        // per product, cache and attention row, and the layer's input) are not: split between
+        // threads they fill the lanes half as well, for a hand-off that costs about what it
+        // saves.
+        let many = self.batch.rows() > 32;
         let done = self.gemm.finish_leaves(self.batch, many);
         for ((entry, kept), (c, leaves)) in self.queued.drain(..).zip(done) {
             if let Some(t) = self.trace.as_deref_mut() {
