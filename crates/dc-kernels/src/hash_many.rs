@@ -556,6 +556,60 @@ macro_rules! rounds {
     }};
 }
 
+/// One compression step's body, the same at every lane width: the state from the lanes'
+/// chaining values, the IV and the lanes' counters, lengths and flags; the seven rounds with
+/// `$g` over the message words `$m`; each lane's next chaining value stored back. `$load` and
+/// `$store` move a lane array into and out of a vector, `$splat` broadcasts a word.
+#[cfg(target_arch = "x86_64")]
+macro_rules! compress_step {
+    ($l:ident, $m:ident, $g:ident, $load:ident, $store:ident, $splat:path, $xor:path) => {{
+        let mut s = [
+            $load(&$l.cv[0]),
+            $load(&$l.cv[1]),
+            $load(&$l.cv[2]),
+            $load(&$l.cv[3]),
+            $load(&$l.cv[4]),
+            $load(&$l.cv[5]),
+            $load(&$l.cv[6]),
+            $load(&$l.cv[7]),
+            $splat(IV[0] as i32),
+            $splat(IV[1] as i32),
+            $splat(IV[2] as i32),
+            $splat(IV[3] as i32),
+            $load(&$l.counter_lo),
+            $load(&$l.counter_hi),
+            $load(&$l.len),
+            $load(&$l.flags),
+        ];
+        rounds!($g, s, $m);
+        for i in 0..8 {
+            $store(&mut $l.cv[i], $xor(s[i], s[i + 8]));
+        }
+    }};
+}
+
+/// BLAKE3's quarter-round `g` on every lane at once, for vectors `$v` with the given add, xor
+/// and rotations, compiled for `$feature`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! quarter_round {
+    ($feature:tt, $v:ty, $add:path, $xor:path, $r16:path, $r12:path, $r8:path, $r7:path) => {
+        /// BLAKE3's quarter-round on every lane at once.
+        #[target_feature(enable = $feature)]
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        fn g(s: &mut [$v; 16], a: usize, b: usize, c: usize, d: usize, x: $v, y: $v) {
+            s[a] = $add($add(s[a], s[b]), x);
+            s[d] = $r16($xor(s[d], s[a]));
+            s[c] = $add(s[c], s[d]);
+            s[b] = $r12($xor(s[b], s[c]));
+            s[a] = $add($add(s[a], s[b]), y);
+            s[d] = $r8($xor(s[d], s[a]));
+            s[c] = $add(s[c], s[d]);
+            s[b] = $r7($xor(s[b], s[c]));
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! Eight compressions side by side: lane `l` of every vector belongs to lane `l`'s block.
@@ -566,33 +620,12 @@ mod avx2 {
     /// One compression step of eight lanes ([`Lanes`]).
     #[target_feature(enable = "avx2")]
     pub(super) fn step_x8(l: &mut Lanes<'_, LANES>) {
-        // SAFETY (every load and store here): unaligned, of eight u32s from or into an array
-        // of eight.
+        // SAFETY (both): unaligned, of eight u32s from or into an array of eight.
         let load = |a: &[u32; LANES]| unsafe { _mm256_loadu_si256(a.as_ptr().cast()) };
+        let store =
+            |a: &mut [u32; LANES], v| unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) };
         let m = load_transposed(&l.blocks);
-        let mut s = [
-            load(&l.cv[0]),
-            load(&l.cv[1]),
-            load(&l.cv[2]),
-            load(&l.cv[3]),
-            load(&l.cv[4]),
-            load(&l.cv[5]),
-            load(&l.cv[6]),
-            load(&l.cv[7]),
-            _mm256_set1_epi32(IV[0] as i32),
-            _mm256_set1_epi32(IV[1] as i32),
-            _mm256_set1_epi32(IV[2] as i32),
-            _mm256_set1_epi32(IV[3] as i32),
-            load(&l.counter_lo),
-            load(&l.counter_hi),
-            load(&l.len),
-            load(&l.flags),
-        ];
-        rounds!(g, s, m);
-        for i in 0..8 {
-            let next = _mm256_xor_si256(s[i], s[i + 8]);
-            unsafe { _mm256_storeu_si256(l.cv[i].as_mut_ptr().cast(), next) };
-        }
+        compress_step!(l, m, g, load, store, _mm256_set1_epi32, _mm256_xor_si256);
     }
 
     /// The sixteen message words of each lane's block, word `i` of every lane in vector `i`.
@@ -675,20 +708,16 @@ mod avx2 {
         _mm256_or_si256(_mm256_srli_epi32(x, 7), _mm256_slli_epi32(x, 25))
     }
 
-    /// BLAKE3's quarter-round on eight lanes at once.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    #[allow(clippy::too_many_arguments)]
-    fn g(s: &mut [__m256i; 16], a: usize, b: usize, c: usize, d: usize, x: __m256i, y: __m256i) {
-        s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), x);
-        s[d] = rot16(_mm256_xor_si256(s[d], s[a]));
-        s[c] = _mm256_add_epi32(s[c], s[d]);
-        s[b] = rot12(_mm256_xor_si256(s[b], s[c]));
-        s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), y);
-        s[d] = rot8(_mm256_xor_si256(s[d], s[a]));
-        s[c] = _mm256_add_epi32(s[c], s[d]);
-        s[b] = rot7(_mm256_xor_si256(s[b], s[c]));
-    }
+    quarter_round!(
+        "avx2",
+        __m256i,
+        _mm256_add_epi32,
+        _mm256_xor_si256,
+        rot16,
+        rot12,
+        rot8,
+        rot7
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -701,36 +730,15 @@ mod avx512 {
     /// One compression step of sixteen lanes ([`Lanes`]).
     #[target_feature(enable = "avx512f")]
     pub(super) fn step_x16(l: &mut Lanes<'_, WIDE_LANES>) {
-        // SAFETY (every load and store here): unaligned, of sixteen u32s from or into an array
-        // of sixteen.
+        // SAFETY (both): unaligned, of sixteen u32s from or into an array of sixteen.
         let load = |a: &[u32; WIDE_LANES]| unsafe { _mm512_loadu_si512(a.as_ptr().cast()) };
+        let store =
+            |a: &mut [u32; WIDE_LANES], v| unsafe { _mm512_storeu_si512(a.as_mut_ptr().cast(), v) };
         // SAFETY: unaligned loads of 64-byte arrays.
         let rows: [__m512i; 16] =
             std::array::from_fn(|i| unsafe { _mm512_loadu_si512(l.blocks[i].as_ptr().cast()) });
         let m = transpose(rows);
-        let mut s = [
-            load(&l.cv[0]),
-            load(&l.cv[1]),
-            load(&l.cv[2]),
-            load(&l.cv[3]),
-            load(&l.cv[4]),
-            load(&l.cv[5]),
-            load(&l.cv[6]),
-            load(&l.cv[7]),
-            _mm512_set1_epi32(IV[0] as i32),
-            _mm512_set1_epi32(IV[1] as i32),
-            _mm512_set1_epi32(IV[2] as i32),
-            _mm512_set1_epi32(IV[3] as i32),
-            load(&l.counter_lo),
-            load(&l.counter_hi),
-            load(&l.len),
-            load(&l.flags),
-        ];
-        rounds!(g, s, m);
-        for i in 0..8 {
-            let next = _mm512_xor_si512(s[i], s[i + 8]);
-            unsafe { _mm512_storeu_si512(l.cv[i].as_mut_ptr().cast(), next) };
-        }
+        compress_step!(l, m, g, load, store, _mm512_set1_epi32, _mm512_xor_si512);
     }
 
     /// The 16 × 16 transpose of 32-bit words: word `j` of vector `i` becomes word `i` of
@@ -768,20 +776,40 @@ mod avx512 {
         out
     }
 
-    /// BLAKE3's quarter-round on sixteen lanes at once.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    #[allow(clippy::too_many_arguments)]
-    fn g(s: &mut [__m512i; 16], a: usize, b: usize, c: usize, d: usize, x: __m512i, y: __m512i) {
-        s[a] = _mm512_add_epi32(_mm512_add_epi32(s[a], s[b]), x);
-        s[d] = _mm512_ror_epi32::<16>(_mm512_xor_si512(s[d], s[a]));
-        s[c] = _mm512_add_epi32(s[c], s[d]);
-        s[b] = _mm512_ror_epi32::<12>(_mm512_xor_si512(s[b], s[c]));
-        s[a] = _mm512_add_epi32(_mm512_add_epi32(s[a], s[b]), y);
-        s[d] = _mm512_ror_epi32::<8>(_mm512_xor_si512(s[d], s[a]));
-        s[c] = _mm512_add_epi32(s[c], s[d]);
-        s[b] = _mm512_ror_epi32::<7>(_mm512_xor_si512(s[b], s[c]));
+    fn rot16(x: __m512i) -> __m512i {
+        _mm512_ror_epi32::<16>(x)
     }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn rot12(x: __m512i) -> __m512i {
+        _mm512_ror_epi32::<12>(x)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn rot8(x: __m512i) -> __m512i {
+        _mm512_ror_epi32::<8>(x)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn rot7(x: __m512i) -> __m512i {
+        _mm512_ror_epi32::<7>(x)
+    }
+
+    quarter_round!(
+        "avx512f",
+        __m512i,
+        _mm512_add_epi32,
+        _mm512_xor_si512,
+        rot16,
+        rot12,
+        rot8,
+        rot7
+    );
 }
 
 #[cfg(test)]
