@@ -380,36 +380,74 @@ impl LeafBatch {
     /// hashed together too, a tree level at a time. Leaves the batch empty, its buffers kept
     /// for the next. Panics if a set is still open.
     pub fn finish(&mut self, parallel: bool) -> Vec<(Commitment, Vec<Commitment>)> {
+        let done = self.finish_sets(parallel);
+        (0..done.commitments.len())
+            .map(|i| (done.commitments[i], done.leaves_of(i).to_vec()))
+            .collect()
+    }
+
+    /// [`LeafBatch::finish`] without a list per set: every leaf in one list.
+    pub fn finish_sets(&mut self, parallel: bool) -> FinishedSets {
         assert_eq!(self.open, 0, "every set closed before the batch is hashed");
         let hashes = match parallel {
             true => self.messages.keyed_hashes_par(),
             false => self.messages.keyed_hashes(),
         };
-        let mut hashes = hashes.into_iter().map(Commitment);
-        let mut done = Vec::with_capacity(self.sets.len());
+        // Every message's hash in queue order: the leaves, with each lone message's hash
+        // (its set's commitment) where it was queued.
+        let leaves: Vec<Commitment> = hashes.into_iter().map(Commitment).collect();
+        let mut commitments = Vec::with_capacity(self.sets.len());
+        let mut ranges = Vec::with_capacity(self.sets.len());
         let mut products = Vec::new();
+        let mut at = 0;
         for (i, &set) in self.sets.iter().enumerate() {
             match set {
                 Set::Leaves { cols, rows } => {
                     products.push((i, cols));
-                    done.push((Commitment::default(), hashes.by_ref().take(rows).collect()));
+                    commitments.push(Commitment::default());
+                    ranges.push(at..at + rows);
+                    at += rows;
                 }
                 Set::Message => {
-                    done.push((hashes.next().expect("one hash per message"), Vec::new()));
+                    commitments.push(leaves[at]);
+                    ranges.push(at..at);
+                    at += 1;
                 }
             }
         }
-        let leaves: Vec<(usize, &[Commitment])> = products
+        let sets: Vec<(usize, &[Commitment])> = products
             .iter()
-            .map(|&(i, cols)| (cols, &done[i].1[..]))
+            .map(|&(i, cols)| (cols, &leaves[ranges[i].clone()]))
             .collect();
-        let commitments = commit_leaf_sets_with(&leaves, &mut self.nodes);
-        for (&(i, _), c) in products.iter().zip(commitments) {
-            done[i].0 = c;
+        let product_commitments = commit_leaf_sets_with(&sets, &mut self.nodes);
+        for (&(i, _), c) in products.iter().zip(product_commitments) {
+            commitments[i] = c;
         }
         self.messages.clear();
         self.sets.clear();
-        done
+        FinishedSets {
+            commitments,
+            leaves,
+            ranges,
+        }
+    }
+}
+
+/// What [`LeafBatch::finish_sets`] gives: each set's commitment, in the order queued, and all
+/// the leaves in one list.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FinishedSets {
+    /// Each set's commitment.
+    pub commitments: Vec<Commitment>,
+    leaves: Vec<Commitment>,
+    /// Per set, where its leaves are in `leaves` (empty for a lone message).
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl FinishedSets {
+    /// The leaves of set `set`.
+    pub fn leaves_of(&self, set: usize) -> &[Commitment] {
+        &self.leaves[self.ranges[set].clone()]
     }
 }
 
@@ -422,6 +460,14 @@ pub fn commit_leaf_sets(sets: &[(usize, &[Commitment])]) -> Vec<Commitment> {
 
 /// [`commit_leaf_sets`] hashing in `level`'s buffers.
 fn commit_leaf_sets_with(sets: &[(usize, &[Commitment])], level: &mut Messages) -> Vec<Commitment> {
+    level.clear();
+    if sets.iter().all(|(_, l)| l.len() == 1) {
+        // A decode step's sets: one leaf each, its own root.
+        for (cols, leaves) in sets {
+            push_gemm(level, 1, *cols, &leaves[0]);
+        }
+        return level.keyed_hashes().into_iter().map(Commitment).collect();
+    }
     /// A Merkle node to hash: its children's places among the values (leaves first).
     struct Node {
         left: usize,
@@ -477,16 +523,21 @@ fn commit_leaf_sets_with(sets: &[(usize, &[Commitment])], level: &mut Messages) 
     for ((cols, leaves), root) in sets.iter().zip(&roots) {
         // No leaves: the root is the hash of nothing (`merkle_root`).
         let root = root.map_or_else(|| Domain::MerkleNode.hash(&[]), |r| values[r]);
-        level.push(
-            Domain::Gemm.key(),
-            &[
-                &(leaves.len() as u64).to_le_bytes(),
-                &(*cols as u64).to_le_bytes(),
-                &root.0,
-            ],
-        );
+        push_gemm(level, leaves.len(), *cols, &root);
     }
     level.keyed_hashes().into_iter().map(Commitment).collect()
+}
+
+/// Queues [`gemm_commitment`]'s message in `level`.
+fn push_gemm(level: &mut Messages, rows: usize, cols: usize, root: &Commitment) {
+    level.push(
+        Domain::Gemm.key(),
+        &[
+            &(rows as u64).to_le_bytes(),
+            &(cols as u64).to_le_bytes(),
+            &root.0,
+        ],
+    );
 }
 
 /// The commitment of a product with `cols` values per row from the leaves of its committed
@@ -791,6 +842,14 @@ mod tests {
                 sets.iter().map(|(c, l)| (*c, &l[..])).collect();
             let want: Vec<Commitment> = sets.iter().map(|(c, l)| commit_leaves(*c, l)).collect();
             proptest::prop_assert_eq!(commit_leaf_sets(&refs), want);
+            // Sets of one leaf each (a decode step's) take a shorter path.
+            let ones: Vec<(usize, &[Commitment])> = sets
+                .iter()
+                .filter(|(_, l)| !l.is_empty())
+                .map(|(c, l)| (*c, &l[..1]))
+                .collect();
+            let want: Vec<Commitment> = ones.iter().map(|(c, l)| commit_leaves(*c, l)).collect();
+            proptest::prop_assert_eq!(commit_leaf_sets(&ones), want);
         }
     }
 

@@ -277,12 +277,12 @@ impl Compute<'_> {
         // saves.
         let many = self.batch.rows() > 32;
         let done = self.gemm.finish_leaves(self.batch, many);
-        for ((entry, kept), (c, leaves)) in self.queued.drain(..).zip(done) {
+        for (set, (entry, kept)) in self.queued.drain(..).enumerate() {
             if let Some(t) = self.trace.as_deref_mut() {
-                t.entries[entry].commitment = c;
+                t.entries[entry].commitment = done.commitments[set];
             }
             if let (Some(k), Some(at)) = (self.keep.as_deref_mut(), kept) {
-                k.set_leaves(at, leaves);
+                k.set_leaves(at, done.leaves_of(set).to_vec());
             }
         }
     }

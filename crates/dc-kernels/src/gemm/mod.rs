@@ -220,22 +220,21 @@ impl Gemm {
         }
         BATCH.with_borrow_mut(|batch| {
             batch.queue(out, shape, first, from);
-            self.finish_leaves(batch, shape.0 > 1)
-                .pop()
-                .expect("one product queued")
+            let done = self.finish_leaves(batch, shape.0 > 1);
+            (done.commitments[0], done.leaves_of(0).to_vec())
         })
     }
 
-    /// [`LeafBatch::finish`](crate::commit::LeafBatch::finish) on this engine's threads when it
-    /// has several and `many` rows are queued (the bits do not depend on it).
+    /// [`LeafBatch::finish_sets`](crate::commit::LeafBatch::finish_sets) on this engine's
+    /// threads when it has several and `many` rows are queued (the bits do not depend on it).
     pub fn finish_leaves(
         &self,
         batch: &mut crate::commit::LeafBatch,
         many: bool,
-    ) -> Vec<(crate::Commitment, Vec<crate::Commitment>)> {
+    ) -> crate::commit::FinishedSets {
         match &self.pool {
-            Some(pool) if many => pool.install(|| batch.finish(true)),
-            _ => batch.finish(false),
+            Some(pool) if many => pool.install(|| batch.finish_sets(true)),
+            _ => batch.finish_sets(false),
         }
     }
 
