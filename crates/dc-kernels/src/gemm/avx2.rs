@@ -219,7 +219,7 @@ unsafe fn run_avx2(
 /// goes element by element through [`Sink::put_i64`].
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn finish_row(
+pub(crate) unsafe fn finish_row(
     sink: &Sink,
     row: usize,
     w: &PackedWeights,

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::avx2::{fast_pair, row_chunk};
+use super::avx2::{fast_pair, finish_row, row_chunk};
 use super::reference;
 use super::sink::Sink;
 use crate::error::Result;
@@ -130,20 +130,18 @@ macro_rules! tile_fn {
                 )+
             }
             for r in 0..$rows {
-                let mut lanes = [[0i64; 8]; 2];
-                for (q, l) in lanes.iter_mut().enumerate() {
-                    // SAFETY: l is 64 bytes.
-                    unsafe { _mm512_storeu_si512(l.as_mut_ptr() as _, acc[r][q]) };
-                }
+                // The AVX2 epilogue's lane order: columns [0,2,4,6], [1,3,5,7], [8,..,14],
+                // [9,..,15] (the even columns' sums are `acc[r][0]`, the odd ones' `acc[r][1]`).
+                let (even, odd) = (acc[r][0], acc[r][1]);
+                let lanes = [
+                    _mm512_castsi512_si256(even),
+                    _mm512_castsi512_si256(odd),
+                    _mm512_extracti64x4_epi64::<1>(even),
+                    _mm512_extracti64x4_epi64::<1>(odd),
+                ];
                 let ex = x.meta(rows[r]).exp_min;
-                for c in 0..PANEL {
-                    let col = panel * PANEL + c;
-                    if col >= w.n() {
-                        break;
-                    }
-                    let sum = lanes[c % 2][c / 2];
-                    sink.put_i64(rows[r], col, sum, ex + w.col_exp_min(col))?;
-                }
+                // SAFETY: AVX-512F implies AVX2.
+                unsafe { finish_row(sink, rows[r], w, panel, ex, lanes)? };
             }
             Ok(())
         }
