@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use serde::{Deserialize, Serialize};
 
 use crate::exact::Exact;
-use crate::gemm::{Accumulators, Slot};
+use crate::gemm::Accumulators;
 use crate::hash_many::Messages;
 
 /// A 32-byte blake3 commitment.
@@ -202,33 +202,22 @@ pub fn encode_values(values: &[Exact], out: &mut Vec<u8>) {
 
 /// Appends the canonical encoding of one output row of a GEMM.
 ///
-/// Small slots are written 12 bytes at a time into reserved space (no per-value capacity
-/// check); a wide slot goes through [`encode_exact`]. The bytes are those of the plain
-/// definition, value by value (property-tested against it).
+/// Small values are put in canonical form from their stored sums and written 12 bytes at a
+/// time into reserved space (no per-value capacity check); a wide one goes through
+/// [`encode_exact`]. The bytes are those of the plain definition, value by value
+/// (property-tested against it).
 pub fn encode_row(acc: &Accumulators, row: usize, out: &mut Vec<u8>) {
-    let slots = &acc.slots[row * acc.cols..(row + 1) * acc.cols];
-    let mut c = 0;
-    while c < slots.len() {
-        let rest = &slots[c..];
-        out.reserve(rest.len() * 12);
-        let start = out.len();
-        let dst = out.spare_capacity_mut().as_mut_ptr() as *mut [u8; 12];
-        let mut n = 0;
-        for s in rest {
-            // The exponent first: it is almost never `i32::MIN`, where the mantissa is often 0.
-            if s.exp == Slot::WIDE.exp && s.mant == Slot::WIDE.mant {
-                break;
+    out.reserve(acc.cols * 12);
+    for (c, slot) in acc.row_sums(row).enumerate() {
+        match slot {
+            Some((sum, unit)) => {
+                let (mant, exp) = match sum {
+                    0 => (0, 0),
+                    s => (s >> s.trailing_zeros(), unit + s.trailing_zeros() as i32),
+                };
+                out.extend_from_slice(&small_bytes(mant, exp));
             }
-            // SAFETY: `n < rest.len()` and `rest.len() · 12` bytes were reserved past `start`.
-            unsafe { dst.add(n).write_unaligned(small_bytes(s.mant, s.exp)) };
-            n += 1;
-        }
-        // SAFETY: the `n · 12` bytes past `start` were written above.
-        unsafe { out.set_len(start + n * 12) };
-        c += n;
-        if c < slots.len() {
-            encode_exact(&acc.get(row, c), out);
-            c += 1;
+            None => encode_exact(&acc.get(row, c), out),
         }
     }
 }
@@ -746,17 +735,16 @@ mod tests {
 
     #[test]
     fn positioned_leaves_match_exact_leaves() {
-        let acc = Accumulators {
-            rows: 2,
-            cols: 2,
-            slots: vec![
-                Slot { mant: 3, exp: 1 },
-                Slot::default(),
-                Slot { mant: -5, exp: -9 },
-                Slot { mant: 1, exp: 0 },
+        let acc = Accumulators::from_values(
+            2,
+            2,
+            &[
+                Exact::from_i64(3, 1),
+                Exact::ZERO,
+                Exact::from_i64(-5, -9),
+                Exact::from_i64(1, 0),
             ],
-            wide: vec![],
-        };
+        );
         let row1 = [Exact::from_i64(-5, -9), Exact::from_i64(1, 0)];
         assert_eq!(row_leaf_at(&acc, 1, 40), exact_row_leaf(41, &row1));
         assert_ne!(row_leaf_at(&acc, 1, 40), exact_row_leaf(40, &row1));

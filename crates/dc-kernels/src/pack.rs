@@ -56,7 +56,8 @@ pub struct PackedWeights {
     panels: usize,
     data: AlignedBytes,
     col_exp: Vec<i16>,
-    col_exp_min: Vec<i32>,
+    /// Shared with the exact accumulators of every product (their column units).
+    col_exp_min: std::sync::Arc<[i32]>,
     panel_meta: Vec<PanelMeta>,
 }
 
@@ -162,7 +163,7 @@ impl PackedWeights {
             panels,
             data,
             col_exp,
-            col_exp_min,
+            col_exp_min: col_exp_min.into(),
             panel_meta,
         }
     }
@@ -203,6 +204,11 @@ impl PackedWeights {
     /// Smallest block exponent of every column, zero padded to whole panels.
     pub(crate) fn col_exp_mins(&self) -> &[i32] {
         &self.col_exp_min
+    }
+
+    /// The columns' smallest block exponents, shared (the units of exact accumulators).
+    pub(crate) fn col_units(&self) -> std::sync::Arc<[i32]> {
+        self.col_exp_min.clone()
     }
     /// Fast-path facts of a panel.
     pub fn panel_meta(&self, p: usize) -> PanelMeta {
@@ -361,7 +367,7 @@ impl PackedWeights {
             panels,
             data: AlignedBytes::from_slice(data),
             col_exp,
-            col_exp_min,
+            col_exp_min: col_exp_min.into(),
             panel_meta,
         })
     }

@@ -13,7 +13,6 @@ use dc_kernels::commit::{
     Domain,
 };
 use dc_kernels::conformance::{matrix, Style};
-use dc_kernels::gemm::Slot;
 use dc_kernels::reveal::leaf_of_encoding;
 use dc_kernels::rng::SplitMix64;
 use dc_kernels::{
@@ -153,17 +152,8 @@ fn gemm_commitments_are_pinned_bit_for_bit() {
     }
     // One row (decode): wide values too (the row is a wide-span row).
     let (acc, _) = product(2, k, n, 12, Kernel::Scalar, 1);
-    let one = Accumulators {
-        rows: 1,
-        cols: n,
-        slots: acc.slots[n..].to_vec(),
-        wide: acc
-            .wide
-            .iter()
-            .filter(|w| w.0 >= n)
-            .map(|(i, e)| (i - n, e.clone()))
-            .collect(),
-    };
+    let row1: Vec<Exact> = (0..n).map(|c| acc.get(1, c)).collect();
+    let one = Accumulators::from_values(1, n, &row1);
     let (_, _, wide) = kinds(&one);
     assert!(wide > 0);
     for kernel in Kernel::supported() {
@@ -277,24 +267,10 @@ fn value() -> impl Strategy<Value = Exact> {
     prop_oneof![8 => small_value(), 1 => wide_value()]
 }
 
-/// Accumulators as a kernel leaves them: small values in their slots, wide ones in the table.
+/// Accumulators holding `values`: small ones in their slots, wide ones in the table.
 fn accumulators(rows: usize, values: Vec<Exact>) -> Accumulators {
     let cols = values.len() / rows.max(1);
-    let mut acc = Accumulators {
-        rows,
-        cols,
-        ..Accumulators::default()
-    };
-    for (i, v) in values.into_iter().take(rows * cols).enumerate() {
-        match v {
-            Exact::Small { mant, exp } => acc.slots.push(Slot { mant, exp }),
-            wide => {
-                acc.slots.push(Slot::WIDE);
-                acc.wide.push((i, wide));
-            }
-        }
-    }
-    acc
+    Accumulators::from_values(rows, cols, &values[..rows * cols])
 }
 
 proptest! {

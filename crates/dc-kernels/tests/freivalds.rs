@@ -31,12 +31,13 @@ proptest! {
         prop_assert!(key.check_residues(&x, row, &residues));
         // Change one accumulator by any amount: caught.
         let mut bad = acc.clone();
-        let i = which % bad.slots.len();
-        if bad.slots[i] != dc_kernels::gemm::Slot::WIDE {
-            bad.slots[i].mant = bad.slots[i].mant.wrapping_add(delta * 2 + 1) | 1;
-            if bad.slots[i] != acc.slots[i] {
+        let i = which % (m * n);
+        let (r, j) = (i / n, i % n);
+        if let dc_kernels::Exact::Small { mant, exp } = acc.get(r, j) {
+            let changed = mant.wrapping_add(delta * 2 + 1) | 1;
+            bad.set(r, j, dc_kernels::Exact::Small { mant: changed, exp });
+            if changed != mant {
                 prop_assert_eq!(key.check(&x, &bad), Err(i / n));
-                let (r, j) = (i / n, i % n);
                 let mut lie: Vec<u64> =
                     (0..n).map(|c| dc_kernels::freivalds::exact_mod(&acc.get(r, c))).collect();
                 lie[j] = dc_kernels::freivalds::exact_mod(&bad.get(r, j));

@@ -10,7 +10,7 @@ use dc_kernels::commit::{
 use dc_kernels::conformance::{matrix, Style};
 use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::rng::SplitMix64;
-use dc_kernels::{golden, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
+use dc_kernels::{golden, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 
 #[test]
 fn golden_vectors_pass_on_every_kernel() {
@@ -94,8 +94,13 @@ fn one_row_is_checkable_alone_and_any_change_is_caught() {
     );
     // An accumulator changed so that its rounding changes (its sign): the leaf changes too.
     let mut bad = acc.clone();
-    let c = (0..n).find(|&c| bad.slots[4 * n + c].mant != 0).unwrap();
-    bad.slots[4 * n + c].mant = -bad.slots[4 * n + c].mant;
+    let (c, mant, exp) = (0..n)
+        .find_map(|c| match acc.get(4, c) {
+            Exact::Small { mant, exp } if mant != 0 => Some((c, mant, exp)),
+            _ => None,
+        })
+        .unwrap();
+    bad.set(4, c, Exact::Small { mant: -mant, exp });
     assert_ne!(row_leaf(&bad, 4), leaves[4]);
     assert_ne!(commit_gemm(&bad), commit_gemm(&acc));
     // One changed too little to move its rounding keeps the leaf (the commitment binds the
@@ -103,10 +108,20 @@ fn one_row_is_checkable_alone_and_any_change_is_caught() {
     let key = FreivaldsKey::new(&qw, &[9; 32]);
     assert!(key.check_row(&qx, 4, &acc));
     let mut quiet = acc.clone();
-    let c = (0..n)
-        .find(|&c| quiet.slots[4 * n + c].mant.unsigned_abs() >= 1 << 40)
+    let (c, mant, exp) = (0..n)
+        .find_map(|c| match acc.get(4, c) {
+            Exact::Small { mant, exp } if mant.unsigned_abs() >= 1 << 40 => Some((c, mant, exp)),
+            _ => None,
+        })
         .expect("a wide-span row has long mantissas");
-    quiet.slots[4 * n + c].mant ^= 2;
+    quiet.set(
+        4,
+        c,
+        Exact::Small {
+            mant: mant ^ 2,
+            exp,
+        },
+    );
     assert_eq!(row_leaf(&quiet, 4), leaves[4]);
     assert!(!key.check_row(&qx, 4, &quiet));
 }

@@ -46,7 +46,7 @@ pub(crate) enum Kept {
 impl Kept {
     fn bytes(&self) -> usize {
         match self {
-            Kept::Gemm(k) => k.acc.slots.len() * 16 + k.acc.wide.len() * 64 + k.leaves.len() * 32,
+            Kept::Gemm(k) => k.acc.bytes() + k.leaves.len() * 32,
             Kept::Leaves { leaves, rows, .. } => {
                 leaves.len() * 32 + rows.iter().map(|r| r.len() * 4).sum::<usize>()
             }

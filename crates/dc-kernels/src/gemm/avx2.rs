@@ -277,9 +277,7 @@ pub(crate) unsafe fn finish_row(
                     _mm256_storeu_ps(run.out, lo);
                     _mm256_storeu_ps(run.out.add(8), hi);
                     if let Some(slots) = run.slots {
-                        let ex = _mm256_set1_epi32(ex);
-                        let exps = [_mm256_add_epi32(c0, ex), _mm256_add_epi32(c1, ex)];
-                        store_slots(slots, acc, exps);
+                        store_sums(slots, acc);
                         run.slots_written();
                     }
                 }
@@ -304,66 +302,29 @@ pub(crate) unsafe fn finish_row(
     Ok(())
 }
 
-/// Stores the canonical slots of one row's 16 sums of a panel (lanes as in [`finish_row`]),
-/// each below 2^51 in magnitude; `exps` holds the exponent of each column's unit, columns
-/// 0..8 and 8..16 as i32 lanes. What [`Sink::put_i64`] stores, with vector instructions:
-///
-/// - the lowest set bit `l = s & -s` is a power of two `2^tz <= 2^51`, so `l` becomes an f64
-///   exactly (written into the mantissa of 2^52 and subtracted back) and its exponent field
-///   less 1023 is `tz` (for `s = 0`, `l = 0` and the count is negative, which `vpsrlvq` treats
-///   as ≥ 64: the mantissa stays 0);
-/// - the odd mantissa is `±(|s| >> tz)` (AVX2 has no arithmetic variable shift; `|s| >> tz`
-///   is exact since the low `tz` bits are zero), the exponent `exp + tz`, zero `(0, 0)`.
+/// Stores one row's 16 sums of a panel (lanes as in [`finish_row`]) as its slots, in column
+/// order: the sums are already in the units the accumulators keep (see
+/// [`Accumulators`](super::Accumulators)), so keeping them is a shuffle and four stores.
 ///
 /// # Safety
 /// AVX2; `slots` points at 16 writable (possibly uninitialised) slots owned by the caller's
 /// task.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn store_slots(slots: *mut super::Slot, acc: [__m256i; 4], exps: [__m256i; 2]) {
-    let zero = _mm256_setzero_si256();
-    let two52 = _mm256_set1_epi64x(0x4330_0000_0000_0000);
-    let bias = _mm256_set1_epi64x(1023);
-    // The unit exponents in the lane order of `acc`: even columns are in the low halves of the
-    // i64 lanes, odd ones in the high halves (only the low 32 bits of an exponent lane are
-    // stored as `exp`; the high ones land in the slot's padding).
-    let unit = [
-        exps[0],
-        _mm256_srli_epi64::<32>(exps[0]),
-        exps[1],
-        _mm256_srli_epi64::<32>(exps[1]),
-    ];
-    let canon = |i: usize| {
-        let s = acc[i];
-        let low = _mm256_and_si256(s, _mm256_sub_epi64(zero, s));
-        let f = _mm256_sub_pd(
-            _mm256_castsi256_pd(_mm256_add_epi64(low, two52)),
-            _mm256_castsi256_pd(two52),
-        );
-        let tz = _mm256_sub_epi64(_mm256_srli_epi64::<52>(_mm256_castpd_si256(f)), bias);
-        let neg = _mm256_cmpgt_epi64(zero, s);
-        let abs = _mm256_sub_epi64(_mm256_xor_si256(s, neg), neg);
-        let m = _mm256_srlv_epi64(abs, tz);
-        let mant = _mm256_sub_epi64(_mm256_xor_si256(m, neg), neg);
-        let is_zero = _mm256_cmpeq_epi64(s, zero);
-        let exp = _mm256_andnot_si256(is_zero, _mm256_add_epi32(unit[i], tz));
-        // Slots (mant, exp) of lanes 0 and 2 (low), 1 and 3 (high), one per 128-bit half.
-        (
-            _mm256_unpacklo_epi64(mant, exp),
-            _mm256_unpackhi_epi64(mant, exp),
-        )
-    };
+unsafe fn store_sums(slots: *mut i64, acc: [__m256i; 4]) {
     for h in 0..2 {
-        // Columns 8h + [0, 2, 4, 6] and 8h + [1, 3, 5, 7].
-        let (e_lo, e_hi) = canon(2 * h);
-        let (o_lo, o_hi) = canon(2 * h + 1);
-        // SAFETY: per the contract, slots[0..16] are ours; each store writes two slots.
+        // Columns 8h + [0, 2, 4, 6] and 8h + [1, 3, 5, 7]: pairs [0, 1 | 4, 5], [2, 3 | 6, 7].
+        let (even, odd) = (acc[2 * h], acc[2 * h + 1]);
+        let (p01_45, p23_67) = (
+            _mm256_unpacklo_epi64(even, odd),
+            _mm256_unpackhi_epi64(even, odd),
+        );
+        let first = _mm256_permute2x128_si256::<0x20>(p01_45, p23_67);
+        let second = _mm256_permute2x128_si256::<0x31>(p01_45, p23_67);
+        // SAFETY: per the contract, slots[0..16] are ours; each store writes four.
         unsafe {
-            let at = |c: usize| slots.add(8 * h + c) as *mut __m256i;
-            _mm256_storeu_si256(at(0), _mm256_permute2x128_si256::<0x20>(e_lo, o_lo));
-            _mm256_storeu_si256(at(2), _mm256_permute2x128_si256::<0x20>(e_hi, o_hi));
-            _mm256_storeu_si256(at(4), _mm256_permute2x128_si256::<0x31>(e_lo, o_lo));
-            _mm256_storeu_si256(at(6), _mm256_permute2x128_si256::<0x31>(e_hi, o_hi));
+            _mm256_storeu_si256(slots.add(8 * h) as *mut __m256i, first);
+            _mm256_storeu_si256(slots.add(8 * h + 4) as *mut __m256i, second);
         }
     }
 }
@@ -714,19 +675,6 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::gemm::Slot;
-
-    /// What `Sink::put_i64` stores as the slot of `sum · 2^exp`.
-    fn canonical(sum: i64, exp: i32) -> Slot {
-        if sum == 0 {
-            return Slot::default();
-        }
-        let tz = sum.trailing_zeros();
-        Slot {
-            mant: sum >> tz,
-            exp: exp + tz as i32,
-        }
-    }
 
     /// Sums below 2^51 in magnitude (the vector path's range), with the edges and zeros.
     fn sum() -> impl Strategy<Value = i64> {
@@ -745,32 +693,25 @@ mod tests {
     }
 
     proptest! {
-        /// The vector canonical form equals the scalar one, lane for lane.
+        /// The vector store puts every lane's sum at its column.
         #[test]
-        fn vector_slots_equal_the_scalar_canonical_form(
-            sums in proptest::array::uniform16(sum()),
-            exps in proptest::array::uniform16(-900i32..=900),
-        ) {
+        fn vector_slots_hold_each_column_s_sum(sums in proptest::array::uniform16(sum())) {
             if !is_x86_feature_detected!("avx2") {
                 return Ok(());
             }
             // Lanes as the tile leaves them: [0,2,4,6], [1,3,5,7], [8,..,14], [9,..,15].
             let lanes: [[i64; 4]; 4] =
                 std::array::from_fn(|q| std::array::from_fn(|i| sums[(q / 2) * 8 + q % 2 + 2 * i]));
-            let mut got = [MaybeUninit::<Slot>::uninit(); 16];
+            let mut got = [MaybeUninit::<i64>::uninit(); 16];
             // SAFETY: AVX2 detected; 16 slots to write.
             unsafe {
                 let acc = lanes.map(|l| _mm256_loadu_si256(l.as_ptr() as _));
-                let exps = [
-                    _mm256_loadu_si256(exps.as_ptr() as _),
-                    _mm256_loadu_si256(exps.as_ptr().add(8) as _),
-                ];
-                store_slots(got.as_mut_ptr() as *mut Slot, acc, exps);
+                store_sums(got.as_mut_ptr() as *mut i64, acc);
             }
             for c in 0..16 {
-                // SAFETY: store_slots wrote all 16.
+                // SAFETY: store_sums wrote all 16.
                 let slot = unsafe { got[c].assume_init() };
-                prop_assert_eq!(slot, canonical(sums[c], exps[c]), "column {}", c);
+                prop_assert_eq!(slot, sums[c], "column {}", c);
             }
         }
     }

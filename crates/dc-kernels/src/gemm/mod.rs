@@ -19,7 +19,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
-pub use sink::{Accumulators, Slot};
+pub use sink::Accumulators;
 
 use crate::error::{KernelError, Result};
 use crate::pack::PackedWeights;
@@ -268,15 +268,15 @@ impl Gemm {
         w: &PackedWeights,
         out: &mut [f32],
     ) -> Result<Accumulators> {
-        let mut slots = sink::unwritten_slots(x.rows() * w.n());
-        let wide = self.run(x, w, out, Some(&mut slots))?;
-        Ok(Accumulators {
-            rows: x.rows(),
-            cols: w.n(),
-            // SAFETY: `run` returned Ok, so the sink saw every slot written.
-            slots: unsafe { sink::written_slots(slots) },
-            wide,
-        })
+        let mut sums = sink::unwritten_sums(x.rows() * w.n());
+        let slots = sink::SlotsOut {
+            sums: &mut sums,
+            row_unit: (0..x.rows()).map(|r| x.meta(r).exp_min).collect(),
+            col_unit: w.col_units(),
+        };
+        let (row_unit, col_unit, wide) = self.run(x, w, out, Some(slots))?;
+        // SAFETY: `run` returned Ok, so the sink saw every slot written.
+        Ok(unsafe { Accumulators::written(x.rows(), w.n(), sums, row_unit, col_unit, wide) })
     }
 
     fn run(
@@ -284,8 +284,8 @@ impl Gemm {
         x: &QuantizedRows,
         w: &PackedWeights,
         out: &mut [f32],
-        slots: Option<&mut [std::mem::MaybeUninit<Slot>]>,
-    ) -> Result<Vec<(usize, crate::exact::Exact)>> {
+        slots: Option<sink::SlotsOut<'_>>,
+    ) -> Result<sink::Units> {
         if x.k() != w.k() {
             return Err(KernelError::Shape {
                 op: "gemm",
@@ -314,7 +314,7 @@ impl Gemm {
         }
         sink.overflow_error()?;
         if !sink.wants_slots() {
-            return Ok(Vec::new());
+            return Ok(Default::default());
         }
         // Every kernel hands every output to the sink; anything else is a kernel bug, and the
         // unwritten slots must never be read.
@@ -325,6 +325,6 @@ impl Gemm {
             x.rows(),
             w.n()
         );
-        Ok(sink.into_wide())
+        Ok(sink.into_units())
     }
 }

@@ -1,8 +1,9 @@
 //! Where kernels put their results: the f32 output and, when asked, the exact accumulators.
 //!
 //! Every kernel hands each output element to [`Sink`] exactly once, either as an `i64` sum
-//! with its exponent (fast paths) or as an [`Exact`] (reference and wide fallback). Both are
-//! turned into the same canonical form and the same single rounding here, in one place.
+//! with its exponent (fast paths) or as an [`Exact`] (reference and wide fallback). Both get
+//! the same single rounding here, in one place, and the same stored accumulator: the value as
+//! an integer in its row's and column's unit (see [`Accumulators`]).
 //!
 //! The slots of the exact accumulators start uninitialised (clearing megabytes of them only
 //! to overwrite every one was a measurable share of a committed prefill); the sink records
@@ -10,86 +11,197 @@
 
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{KernelError, Result};
 use crate::exact::{round_i64_fast, Exact};
 use crate::pack::PANEL;
 
-/// The canonical form of one accumulator as stored in [`Accumulators`]: `mant · 2^exp`, with
-/// `mant` odd or `(0, 0)`. A wide value is stored as `mant == 0, exp == i32::MIN` and kept whole
-/// in [`Accumulators::wide`].
-///
-/// `repr(C)`: the AVX2 kernel stores slots with vector instructions (`mant` at byte 0, `exp` at
-/// byte 8, 16 bytes in all).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[repr(C)]
-pub struct Slot {
-    /// Odd mantissa (0 for zero or for a wide value).
-    pub mant: i64,
-    /// Exponent (`i32::MIN` marks a wide value).
-    pub exp: i32,
-}
-
-impl Slot {
-    /// Marker of a value that lives in the wide table.
-    pub const WIDE: Slot = Slot {
-        mant: 0,
-        exp: i32::MIN,
-    };
-}
+/// Marks an element of [`Accumulators`] whose sum does not fit an `i64` in its unit: the value
+/// is kept whole in the wide table. No fast kernel's sum is ever this (they stay below 2^63 in
+/// magnitude).
+pub(crate) const WIDE: i64 = i64::MIN;
 
 /// The exact accumulators of one GEMM, row-major `rows × cols`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+///
+/// Each element is stored as the integer it is in units of `2^(row_unit[row] +
+/// col_unit[col])` (the smallest block exponents of its row and column): exactly the `i64` sum
+/// the fast kernels add up, so keeping a product's accumulators costs them one 8-byte store per
+/// output and no canonical form (that is computed for the few rows a reveal asks for, by
+/// [`Accumulators::get`]). An element whose integer does not fit (only the reference path's
+/// wide exponent spans) is marked [`WIDE`] and kept whole in a table. Equality is of the
+/// values, not of how they are stored.
+#[derive(Clone, Debug, Default)]
 pub struct Accumulators {
     /// Rows of the output.
     pub rows: usize,
     /// Columns of the output.
     pub cols: usize,
-    /// One slot per output element.
-    pub slots: Vec<Slot>,
+    sums: Vec<i64>,
+    row_unit: Vec<i32>,
+    /// At least `cols` entries (the packed weights' padded columns share the list).
+    col_unit: Arc<[i32]>,
     /// The wide values, by flat index, sorted.
-    pub wide: Vec<(usize, Exact)>,
+    wide: Vec<(usize, Exact)>,
 }
 
-/// Slots for `len` outputs, not yet written (see [`Sink::new`]).
-pub(crate) fn unwritten_slots(len: usize) -> Vec<MaybeUninit<Slot>> {
+/// `v` as an integer in units of `2^unit`, if it is one that fits an `i64` (and is not
+/// [`WIDE`]).
+fn in_units(v: &Exact, unit: i32) -> Option<i64> {
+    match *v {
+        Exact::Small { mant: 0, .. } => Some(0),
+        Exact::Small { mant, exp } => {
+            let shift = exp as i64 - unit as i64;
+            if !(0..63).contains(&shift) {
+                return None;
+            }
+            let s = (mant as i128) << shift;
+            i64::try_from(s).ok().filter(|&s| s != WIDE)
+        }
+        Exact::Wide { .. } => None,
+    }
+}
+
+/// Sums for `len` outputs, not yet written (see [`Sink::new`]).
+pub(crate) fn unwritten_sums(len: usize) -> Vec<MaybeUninit<i64>> {
     let mut v = Vec::with_capacity(len);
     // SAFETY: `MaybeUninit` needs no initialisation, and the capacity is `len`.
     unsafe { v.set_len(len) };
     v
 }
 
-/// The slots a [`Sink`] has written, every one of them (checked by [`Sink::all_slots_written`]).
-///
-/// # Safety
-/// Every element of `slots` must be initialised.
-pub(crate) unsafe fn written_slots(slots: Vec<MaybeUninit<Slot>>) -> Vec<Slot> {
-    let mut slots = std::mem::ManuallyDrop::new(slots);
-    let (ptr, len, cap) = (slots.as_mut_ptr(), slots.len(), slots.capacity());
-    // SAFETY: same allocation, layout (`MaybeUninit<T>` has `T`'s) and length; every element is
-    // initialised per the caller.
-    unsafe { Vec::from_raw_parts(ptr as *mut Slot, len, cap) }
-}
-
 impl Accumulators {
-    /// The exact value of element `(row, col)`.
-    pub fn get(&self, row: usize, col: usize) -> Exact {
-        let i = row * self.cols + col;
-        let s = self.slots[i];
-        if s == Slot::WIDE {
-            let at = self
-                .wide
-                .binary_search_by_key(&i, |w| w.0)
-                .expect("every wide slot has a wide value");
-            return self.wide[at].1.clone();
-        }
-        Exact::Small {
-            mant: s.mant,
-            exp: s.exp,
+    /// The accumulators a [`Sink`] wrote: `sums` in units of `row_unit` and `col_unit`.
+    ///
+    /// # Safety
+    /// Every element of `sums` must be initialised (checked by [`Sink::all_slots_written`]).
+    pub(crate) unsafe fn written(
+        rows: usize,
+        cols: usize,
+        sums: Vec<MaybeUninit<i64>>,
+        row_unit: Vec<i32>,
+        col_unit: Arc<[i32]>,
+        wide: Vec<(usize, Exact)>,
+    ) -> Accumulators {
+        debug_assert_eq!(sums.len(), rows * cols);
+        debug_assert!(row_unit.len() == rows && col_unit.len() >= cols);
+        let mut sums = std::mem::ManuallyDrop::new(sums);
+        let (ptr, len, cap) = (sums.as_mut_ptr(), sums.len(), sums.capacity());
+        // SAFETY: same allocation, layout (`MaybeUninit<T>` has `T`'s) and length; every
+        // element is initialised per the caller.
+        let sums = unsafe { Vec::from_raw_parts(ptr as *mut i64, len, cap) };
+        Accumulators {
+            rows,
+            cols,
+            sums,
+            row_unit,
+            col_unit,
+            wide,
         }
     }
+
+    /// Accumulators holding `values` (row-major `rows × cols`), for tools and tests that build
+    /// or cut them by hand. Each row's unit is its values' smallest exponent.
+    pub fn from_values(rows: usize, cols: usize, values: &[Exact]) -> Accumulators {
+        assert_eq!(values.len(), rows * cols, "one value per element");
+        let row_unit: Vec<i32> = (0..rows)
+            .map(|r| {
+                values[r * cols..(r + 1) * cols]
+                    .iter()
+                    .filter_map(|v| match v {
+                        Exact::Small { mant: 0, .. } => None,
+                        Exact::Small { exp, .. } | Exact::Wide { exp, .. } => Some(*exp),
+                    })
+                    .min()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let mut acc = Accumulators {
+            rows,
+            cols,
+            sums: vec![0; rows * cols],
+            row_unit,
+            col_unit: vec![0; cols].into(),
+            wide: Vec::new(),
+        };
+        for (i, v) in values.iter().enumerate() {
+            acc.set(i / cols.max(1), i % cols.max(1), v.clone());
+        }
+        acc
+    }
+
+    /// The unit exponent of element `(row, col)`.
+    fn unit(&self, row: usize, col: usize) -> i32 {
+        self.row_unit[row] + self.col_unit[col]
+    }
+
+    /// The exact value of element `(row, col)`, in canonical form.
+    pub fn get(&self, row: usize, col: usize) -> Exact {
+        assert!(row < self.rows && col < self.cols, "element out of range");
+        let i = row * self.cols + col;
+        match self.sums[i] {
+            WIDE => {
+                let at = self
+                    .wide
+                    .binary_search_by_key(&i, |w| w.0)
+                    .expect("every wide element has a wide value");
+                self.wide[at].1.clone()
+            }
+            sum => Exact::from_i64(sum, self.unit(row, col)),
+        }
+    }
+
+    /// Replaces the value of element `(row, col)` (a tool or test making a lie).
+    pub fn set(&mut self, row: usize, col: usize, value: Exact) {
+        assert!(row < self.rows && col < self.cols, "element out of range");
+        let i = row * self.cols + col;
+        let at = self.wide.binary_search_by_key(&i, |w| w.0);
+        match (in_units(&value, self.unit(row, col)), at) {
+            (Some(sum), Ok(at)) => {
+                self.wide.remove(at);
+                self.sums[i] = sum;
+            }
+            (Some(sum), Err(_)) => self.sums[i] = sum,
+            (None, Ok(at)) => self.wide[at].1 = value,
+            (None, Err(at)) => {
+                self.wide.insert(at, (i, value));
+                self.sums[i] = WIDE;
+            }
+        }
+    }
+
+    /// The elements kept whole because they do not fit an `i64` in their unit.
+    pub fn wide_count(&self) -> usize {
+        self.wide.len()
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.sums.len() * 8 + self.row_unit.len() * 4 + self.wide.len() * 64
+    }
+
+    /// Row `row`'s elements as stored: each `Some((sum, unit))` (the value `sum · 2^unit`), or
+    /// `None` for a wide one ([`Accumulators::get`] gives it).
+    pub(crate) fn row_sums(&self, row: usize) -> impl Iterator<Item = Option<(i64, i32)>> + '_ {
+        let (sums, ru) = (
+            &self.sums[row * self.cols..(row + 1) * self.cols],
+            self.row_unit[row],
+        );
+        sums.iter()
+            .zip(self.col_unit.iter())
+            .map(move |(&s, &cu)| (s != WIDE).then_some((s, ru + cu)))
+    }
 }
+
+impl PartialEq for Accumulators {
+    fn eq(&self, other: &Accumulators) -> bool {
+        self.rows == other.rows
+            && self.cols == other.cols
+            && (0..self.rows).all(|r| (0..self.cols).all(|c| self.get(r, c) == other.get(r, c)))
+    }
+}
+
+impl Eq for Accumulators {}
 
 /// Shared write access to the outputs of one GEMM.
 ///
@@ -97,7 +209,10 @@ impl Accumulators {
 /// split the columns by panel), so the raw writes never alias.
 pub(crate) struct Sink {
     out: *mut f32,
-    slots: Option<*mut Slot>,
+    /// Where the exact accumulators go, in units of `row_unit[row] + col_unit[col]`.
+    slots: Option<*mut i64>,
+    row_unit: Vec<i32>,
+    col_unit: Arc<[i32]>,
     /// With slots: one bit per slot written, a 16-bit mask per (row, panel of [`PANEL`]
     /// columns). A (row, panel) belongs to one task, so each mask has a single writer (plain
     /// relaxed loads and stores, no read-modify-write instruction).
@@ -112,13 +227,27 @@ pub(crate) struct Sink {
     overflow: AtomicUsize,
 }
 
+/// What a sink hands back besides the slots: each row's and column's unit, and the wide values.
+pub(crate) type Units = (Vec<i32>, Arc<[i32]>, Vec<(usize, Exact)>);
+
+/// Where a sink puts the exact accumulators ([`Sink::new`]).
+pub(crate) struct SlotsOut<'a> {
+    /// One per output, possibly uninitialised.
+    pub(crate) sums: &'a mut [MaybeUninit<i64>],
+    /// Per row of x, the smallest exponent of its blocks.
+    pub(crate) row_unit: Vec<i32>,
+    /// Per column of w (padded columns allowed), the smallest exponent of its blocks.
+    pub(crate) col_unit: Arc<[i32]>,
+}
+
 /// A run of outputs a kernel stores itself (see [`Sink::run`]).
 pub(crate) struct Run<'a> {
     /// The first f32 output of the run.
     pub(crate) out: *mut f32,
     /// The first slot of the run, when the exact accumulators are wanted (uninitialised
-    /// memory: write only, then call [`Run::slots_written`]).
-    pub(crate) slots: Option<*mut Slot>,
+    /// memory: write only, then call [`Run::slots_written`]). A slot holds the output's `i64`
+    /// sum in the unit the fast kernels add in (see [`Accumulators`]).
+    pub(crate) slots: Option<*mut i64>,
     sink: &'a Sink,
     row: usize,
     col: usize,
@@ -140,23 +269,34 @@ unsafe impl Send for Sink {}
 
 impl Sink {
     /// A sink writing `out` (row-major, `cols` columns) and, when given, `slots` (as many,
-    /// possibly uninitialised: the sink only writes them).
-    pub(crate) fn new(
-        out: &mut [f32],
-        cols: usize,
-        slots: Option<&mut [MaybeUninit<Slot>]>,
-    ) -> Sink {
+    /// possibly uninitialised: the sink only writes them) with each row's and column's unit
+    /// exponent (the smallest block exponent of the row of x and of the column of w).
+    pub(crate) fn new(out: &mut [f32], cols: usize, slots: Option<SlotsOut<'_>>) -> Sink {
         let panels = cols.div_ceil(PANEL);
         let rows = out.len().checked_div(cols).unwrap_or(0);
-        let slots = slots.map(|s| {
-            assert_eq!(s.len(), out.len(), "one slot per output");
-            s.as_mut_ptr() as *mut Slot
-        });
+        let (slots, row_unit, col_unit) = match slots {
+            Some(SlotsOut {
+                sums,
+                row_unit,
+                col_unit,
+            }) => {
+                assert_eq!(sums.len(), out.len(), "one slot per output");
+                // (With no columns the rows cannot be told from the output.)
+                assert!(
+                    (cols == 0 || row_unit.len() == rows) && col_unit.len() >= cols,
+                    "a unit per row and column"
+                );
+                (Some(sums.as_mut_ptr() as *mut i64), row_unit, col_unit)
+            }
+            None => (None, Vec::new(), Arc::from(Vec::new())),
+        };
         let masks = if slots.is_some() { rows * panels } else { 0 };
         Sink {
             len: out.len(),
             out: out.as_mut_ptr(),
             slots,
+            row_unit,
+            col_unit,
             written: (0..masks).map(|_| AtomicU16::new(0)).collect(),
             panels,
             cols,
@@ -239,19 +379,12 @@ impl Sink {
         };
         // SAFETY: idx < len, and each index is written by exactly one task.
         unsafe { *self.out.add(idx) = v };
-        if let Some(slots) = self.slots {
-            let slot = if sum == 0 {
-                Slot::default()
+        if self.slots.is_some() {
+            if exp == self.row_unit[row] + self.col_unit[col] && sum != WIDE {
+                self.put_slot(row, col, sum);
             } else {
-                let tz = sum.trailing_zeros();
-                Slot {
-                    mant: sum >> tz,
-                    exp: exp + tz as i32,
-                }
-            };
-            // SAFETY: as above (a write: the slot may be uninitialised).
-            unsafe { slots.add(idx).write(slot) };
-            self.mark(row, col, 1);
+                self.put_slot_of(row, col, Exact::from_i64(sum, exp));
+            }
         }
         Ok(())
     }
@@ -263,22 +396,36 @@ impl Sink {
         let v = value.to_f32().unwrap_or_else(|| self.overflowed(idx));
         // SAFETY: idx < len, and each index is written by exactly one task.
         unsafe { *self.out.add(idx) = v };
-        if let Some(slots) = self.slots {
-            let slot = match value {
-                Exact::Small { mant, exp } => Slot { mant, exp },
-                wide @ Exact::Wide { .. } => {
-                    self.wide
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push((idx, wide));
-                    Slot::WIDE
-                }
-            };
-            // SAFETY: as above (a write: the slot may be uninitialised).
-            unsafe { slots.add(idx).write(slot) };
-            self.mark(row, col, 1);
+        if self.slots.is_some() {
+            self.put_slot_of(row, col, value);
         }
         Ok(())
+    }
+
+    /// Stores `sum` (in the element's unit) as the slot of `(row, col)`.
+    #[inline]
+    fn put_slot(&self, row: usize, col: usize, sum: i64) {
+        let idx = row * self.cols + col;
+        assert!(idx < self.len, "sink index out of range");
+        if let Some(slots) = self.slots {
+            // SAFETY: idx < len, each index is written by exactly one task (a write: the slot
+            // may be uninitialised).
+            unsafe { slots.add(idx).write(sum) };
+            self.mark(row, col, 1);
+        }
+    }
+
+    /// Stores the exact `value` as the slot of `(row, col)`: in the element's unit when it
+    /// fits, otherwise whole in the wide table.
+    fn put_slot_of(&self, row: usize, col: usize, value: Exact) {
+        let sum = in_units(&value, self.row_unit[row] + self.col_unit[col]).unwrap_or_else(|| {
+            self.wide
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((row * self.cols + col, value));
+            WIDE
+        });
+        self.put_slot(row, col, sum);
     }
 
     #[cold]
@@ -299,10 +446,11 @@ impl Sink {
         }
     }
 
-    pub(crate) fn into_wide(self) -> Vec<(usize, Exact)> {
+    /// The accumulators written: the units and the wide table (sorted by index).
+    pub(crate) fn into_units(self) -> Units {
         let mut w = self.wide.into_inner().unwrap_or_else(|e| e.into_inner());
         w.sort_by_key(|e| e.0);
-        w
+        (self.row_unit, self.col_unit, w)
     }
 }
 
@@ -310,53 +458,100 @@ impl Sink {
 mod tests {
     use super::*;
 
+    fn units(rows: usize, unit: i32) -> (Vec<i32>, Arc<[i32]>) {
+        (vec![unit; rows], vec![0; 2 * PANEL].into())
+    }
+
     #[test]
     fn slots_are_handed_out_only_when_every_one_was_written() {
         // 3 rows × 21 columns: a full panel and a partial one of 5 columns.
         let (rows, cols) = (3, 21);
         let mut out = vec![0f32; rows * cols];
-        let mut slots = unwritten_slots(rows * cols);
-        let sink = Sink::new(&mut out, cols, Some(&mut slots));
+        let mut sums = unwritten_sums(rows * cols);
+        let (row_unit, col_unit) = units(rows, -2);
+        let slots = SlotsOut {
+            sums: &mut sums,
+            row_unit,
+            col_unit,
+        };
+        let sink = Sink::new(&mut out, cols, Some(slots));
         for r in 0..rows {
             let run = sink.run(r, 0, PANEL).expect("a full panel");
             for c in 0..PANEL {
                 // SAFETY: the run's slots are ours and in range.
-                unsafe {
-                    run.slots
-                        .expect("slots wanted")
-                        .add(c)
-                        .write(Slot::default())
-                };
+                unsafe { run.slots.expect("slots wanted").add(c).write(0) };
             }
             run.slots_written();
             assert!(sink.run(r, PANEL, PANEL).is_none(), "past the last column");
             for c in PANEL..cols {
                 if (r, c) != (2, 20) {
-                    sink.put_i64(r, c, 6, 0).expect("finite");
+                    sink.put_i64(r, c, 6, -2).expect("finite");
                 }
             }
         }
         assert!(!sink.all_slots_written(), "slot (2, 20) is missing");
         // Writing one slot twice does not stand in for another.
-        sink.put_i64(2, 19, 6, 0).expect("finite");
+        sink.put_i64(2, 19, 6, -2).expect("finite");
         assert!(!sink.all_slots_written());
         sink.put_exact(2, 20, Exact::from_i64(-3, 4))
             .expect("finite");
         assert!(sink.all_slots_written());
-        drop(sink);
+        // Not in the element's unit: an i64 sum of another exponent, and a value below the unit.
+        sink.put_i64(1, 17, 5, 3).expect("finite");
+        sink.put_exact(0, 16, Exact::from_i64(1, -3))
+            .expect("finite");
+        let (row_unit, col_unit, wide) = sink.into_units();
         // SAFETY: every slot was written (checked above).
-        let slots = unsafe { written_slots(slots) };
-        assert_eq!(slots[cols - 1], Slot { mant: 3, exp: 1 });
-        assert_eq!(slots[3 * cols - 1], Slot { mant: -3, exp: 4 });
+        let acc = unsafe { Accumulators::written(rows, cols, sums, row_unit, col_unit, wide) };
+        // 6 · 2^-2 = 3 · 2^-1, canonical.
+        assert_eq!(acc.get(0, cols - 1), Exact::Small { mant: 3, exp: -1 });
+        assert_eq!(acc.get(2, 20), Exact::Small { mant: -3, exp: 4 });
+        assert_eq!(acc.get(1, 17), Exact::Small { mant: 5, exp: 3 });
+        assert_eq!(acc.get(0, 16), Exact::Small { mant: 1, exp: -3 });
+        assert_eq!(acc.get(1, 3), Exact::ZERO);
+        assert_eq!(acc.wide_count(), 1, "2^-3 is below its unit 2^-2");
     }
 
     #[test]
     fn empty_products_have_all_their_slots() {
         for (rows, cols) in [(0, 5), (4, 0), (0, 0)] {
             let mut out = vec![0f32; rows * cols];
-            let mut slots = unwritten_slots(rows * cols);
-            let sink = Sink::new(&mut out, cols, Some(&mut slots));
+            let mut sums = unwritten_sums(rows * cols);
+            let (row_unit, col_unit) = units(rows, 0);
+            let slots = SlotsOut {
+                sums: &mut sums,
+                row_unit,
+                col_unit,
+            };
+            let sink = Sink::new(&mut out, cols, Some(slots));
             assert!(sink.all_slots_written(), "{rows} × {cols}");
         }
+    }
+
+    #[test]
+    fn values_set_by_hand_are_read_back_whatever_their_exponent() {
+        let wide = Exact::from_i128(-((1i128 << 70) + 1), -5);
+        let values = vec![
+            Exact::from_i64(12, 3),
+            Exact::ZERO,
+            wide.clone(),
+            Exact::from_i64(-7, -40),
+            Exact::from_i64(i64::MAX, 0),
+            Exact::from_i64(1, 30),
+        ];
+        let mut acc = Accumulators::from_values(2, 3, &values);
+        for (i, v) in values.iter().enumerate() {
+            assert_eq!(&acc.get(i / 3, i % 3), v, "element {i}");
+        }
+        // A wide value replaced by a small one, and a small one by a wide one.
+        acc.set(0, 2, Exact::from_i64(3, 0));
+        acc.set(1, 1, wide.clone());
+        assert_eq!(acc.get(0, 2), Exact::from_i64(3, 0));
+        assert_eq!(acc.get(1, 1), wide);
+        let mut again = values.clone();
+        again[2] = Exact::from_i64(3, 0);
+        again[4] = wide;
+        assert_eq!(acc, Accumulators::from_values(2, 3, &again));
+        assert_ne!(acc, Accumulators::from_values(2, 3, &values));
     }
 }
