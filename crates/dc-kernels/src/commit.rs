@@ -207,17 +207,27 @@ pub fn encode_values(values: &[Exact], out: &mut Vec<u8>) {
 /// [`encode_exact`]. The bytes are those of the plain definition, value by value
 /// (property-tested against it).
 pub fn encode_row(acc: &Accumulators, row: usize, out: &mut Vec<u8>) {
-    out.reserve(acc.cols * 12);
-    for (c, slot) in acc.row_sums(row).enumerate() {
-        match slot {
-            Some((sum, unit)) => {
-                let (mant, exp) = match sum {
-                    0 => (0, 0),
-                    s => (s >> s.trailing_zeros(), unit + s.trailing_zeros() as i32),
-                };
-                out.extend_from_slice(&small_bytes(mant, exp));
-            }
-            None => encode_exact(&acc.get(row, c), out),
+    let mut slots = acc.row_sums(row).enumerate().peekable();
+    while slots.peek().is_some() {
+        out.reserve(acc.cols * 12);
+        let start = out.len();
+        let dst = out.spare_capacity_mut().as_mut_ptr() as *mut [u8; 12];
+        let mut n = 0;
+        // Small values up to the next wide one (almost always the whole row).
+        while let Some((_, Some((sum, unit)))) = slots.next_if(|(_, s)| s.is_some()) {
+            let (mant, exp) = match sum {
+                0 => (0, 0),
+                s => (s >> s.trailing_zeros(), unit + s.trailing_zeros() as i32),
+            };
+            // SAFETY: at most `cols` values are written past `start`, and `cols · 12` bytes
+            // were reserved there.
+            unsafe { dst.add(n).write_unaligned(small_bytes(mant, exp)) };
+            n += 1;
+        }
+        // SAFETY: the `n · 12` bytes past `start` were written above.
+        unsafe { out.set_len(start + n * 12) };
+        if let Some((c, None)) = slots.next() {
+            encode_exact(&acc.get(row, c), out);
         }
     }
 }
