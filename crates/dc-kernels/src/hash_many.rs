@@ -21,8 +21,6 @@
 //! lanes run at 0.18 ns per byte (sixteen) and 0.34 (eight), where the crate reaches 0.13 only
 //! on one message of 17 chunks or more.
 
-use std::cmp::Reverse;
-
 const IV: [u32; 8] = [
     0x6A09_E667,
     0xBB67_AE85,
@@ -418,9 +416,22 @@ fn compress_jobs(
     wide: bool,
     order: &mut Vec<usize>,
 ) {
+    // Longest first by counting (a job is one to sixteen blocks): a decode step's few dozen
+    // jobs are not worth a comparison sort.
+    let mut next = [0usize; CHUNK_LEN / BLOCK_LEN + 1];
+    for j in jobs {
+        next[j.blocks] += 1;
+    }
+    let mut placed = 0;
+    for n in next.iter_mut().rev() {
+        (*n, placed) = (placed, placed + *n);
+    }
     order.clear();
-    order.extend(0..jobs.len());
-    order.sort_unstable_by_key(|&j| Reverse(jobs[j].blocks));
+    order.resize(jobs.len(), 0);
+    for (i, j) in jobs.iter().enumerate() {
+        order[next[j.blocks]] = i;
+        next[j.blocks] += 1;
+    }
     #[cfg(target_arch = "x86_64")]
     match wide {
         // SAFETY (both): `wide` only where AVX-512F was detected, the eight lanes only where
@@ -482,37 +493,51 @@ fn run_lanes<const N: usize>(
     let mut at: [Option<(usize, &[Block])>; N] = [None; N];
     let mut queue = order.iter();
     loop {
-        let mut busy = false;
-        for l in 0..N {
-            if at[l].is_none() {
-                if let Some(&j) = queue.next() {
-                    let job = &jobs[j];
-                    for (w, k) in lanes.cv.iter_mut().zip(job.key) {
-                        w[l] = k;
-                    }
-                    lanes.counter_lo[l] = job.counter as u32;
-                    lanes.counter_hi[l] = (job.counter >> 32) as u32;
-                    lanes.flags[l] = KEYED_HASH | job.start;
-                    let (blocks, _) =
-                        bytes[job.at..job.at + job.blocks * BLOCK_LEN].as_chunks::<BLOCK_LEN>();
-                    at[l] = Some((j, blocks));
-                }
+        for (l, lane) in at.iter_mut().enumerate() {
+            if lane.is_some() {
+                continue;
             }
-            match at[l] {
-                None => lanes.blocks[l] = &ZERO_BLOCK,
-                Some((j, rest)) => {
-                    busy = true;
-                    lanes.blocks[l] = &rest[0];
-                    lanes.len[l] = BLOCK_LEN as u32;
-                    if rest.len() == 1 {
-                        lanes.len[l] = jobs[j].last_len;
-                        lanes.flags[l] |= jobs[j].end;
-                    }
-                }
+            let Some(&j) = queue.next() else {
+                lanes.blocks[l] = &ZERO_BLOCK;
+                continue;
+            };
+            let job = &jobs[j];
+            for (w, k) in lanes.cv.iter_mut().zip(job.key) {
+                w[l] = k;
             }
+            lanes.counter_lo[l] = job.counter as u32;
+            lanes.counter_hi[l] = (job.counter >> 32) as u32;
+            lanes.flags[l] = KEYED_HASH | job.start;
+            let (blocks, _) =
+                bytes[job.at..job.at + job.blocks * BLOCK_LEN].as_chunks::<BLOCK_LEN>();
+            *lane = Some((j, blocks));
         }
-        if !busy {
+        let Some(shortest) = at.iter().flatten().map(|(_, rest)| rest.len()).min() else {
             return;
+        };
+        // The steps before the first lane reaches its job's last block: full blocks only,
+        // nothing to refill or flag, so each is just the next block of every lane (with full
+        // chunks queued longest first, most of a batch's steps).
+        lanes.len = [BLOCK_LEN as u32; N];
+        for s in 0..shortest - 1 {
+            for (l, lane) in at.iter().enumerate() {
+                if let Some((_, rest)) = lane {
+                    lanes.blocks[l] = &rest[s];
+                }
+            }
+            step(&mut lanes);
+            lanes.flags = [KEYED_HASH; N];
+        }
+        // The step in which the shortest jobs end.
+        for (l, lane) in at.iter_mut().enumerate() {
+            if let Some((j, rest)) = lane {
+                *rest = &rest[shortest - 1..];
+                lanes.blocks[l] = &rest[0];
+                if rest.len() == 1 {
+                    lanes.len[l] = jobs[*j].last_len;
+                    lanes.flags[l] |= jobs[*j].end;
+                }
+            }
         }
         step(&mut lanes);
         for (l, lane) in at.iter_mut().enumerate() {
