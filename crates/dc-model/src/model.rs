@@ -232,9 +232,9 @@ struct Compute<'a> {
     trace: Option<&'a mut HopTrace>,
     keep: Option<&'a mut KeptLayer>,
     /// Every leaf the layer commits (its products', cache rows' and attention rows'), hashed
-    /// together when the layer is done ([`Compute::finish`]): a decode step's rows are too
-    /// short to hash well one by one. One batch serves every layer of a hop, so its buffers
-    /// are allocated once.
+    /// together while the next layer computes ([`QueuedLayer`]): a decode step's rows are too
+    /// short to hash well one by one. Two batches take turns over a hop's layers, so their
+    /// buffers are allocated once.
     batch: &'a mut LeafBatch,
     /// Per queued set, its trace entry and, when keeping, its place among the kept.
     queued: Vec<(usize, Option<usize>)>,
@@ -264,26 +264,42 @@ impl Compute<'_> {
             .activations(x.start + skip, x.hidden, &x.data[skip * x.hidden..]);
         self.queue_entry(Point::Input, |_| None);
     }
+}
 
-    /// Hashes the queued leaves and puts each set's commitment into its trace entry and its
-    /// leaves with what was kept of it.
-    fn finish(&mut self) {
-        if self.batch.is_empty() {
-            return;
+/// A layer whose leaves are queued in its batch, to be hashed while the next layer computes.
+struct QueuedLayer {
+    /// Per queued set, its trace entry and, when keeping, its place among the kept.
+    sets: Vec<(usize, Option<usize>)>,
+    /// Whether the batch is worth the engine's threads: a prefill's rows are; a decode step's
+    /// dozen messages (one per product, cache and attention row, and the layer's input) are
+    /// not: split between threads they fill the lanes half as well, for a hand-off that costs
+    /// about what it saves.
+    many: bool,
+    kept: Option<KeptLayer>,
+}
+
+impl QueuedLayer {
+    /// Puts each set's commitment into its trace entry and its leaves with what was kept of
+    /// it, then the kept layer into the hop (`hashed`: `None` when nothing was queued).
+    fn record(
+        mut self,
+        hashed: Option<dc_kernels::commit::FinishedSets>,
+        trace: Option<&mut HopTrace>,
+        keep: Option<&mut KeptHop>,
+    ) {
+        if let Some(done) = hashed {
+            let mut trace = trace;
+            for (set, &(entry, kept)) in self.sets.iter().enumerate() {
+                if let Some(t) = trace.as_deref_mut() {
+                    t.entries[entry].commitment = done.commitments[set];
+                }
+                if let (Some(k), Some(at)) = (self.kept.as_mut(), kept) {
+                    k.set_leaves(at, done.leaves_of(set).to_vec());
+                }
+            }
         }
-        // A prefill's rows are worth the engine's threads; a decode step's dozen messages (one
-        // per product, cache and attention row, and the layer's input) are not: split between
-        // threads they fill the lanes half as well, for a hand-off that costs about what it
-        // saves.
-        let many = self.batch.rows() > 32;
-        let done = self.gemm.finish_leaves(self.batch, many);
-        for (set, (entry, kept)) in self.queued.drain(..).enumerate() {
-            if let Some(t) = self.trace.as_deref_mut() {
-                t.entries[entry].commitment = done.commitments[set];
-            }
-            if let (Some(k), Some(at)) = (self.keep.as_deref_mut(), kept) {
-                k.set_leaves(at, done.leaves_of(set).to_vec());
-            }
+        if let (Some(k), Some(l)) = (keep, self.kept) {
+            k.layers.push(l);
         }
     }
 }
@@ -334,7 +350,7 @@ impl Products for Compute<'_> {
             return Ok(ctx);
         };
         // The cache rows this hop appended, then both attention products' rows: three sets,
-        // hashed with the layer's products (`Compute::finish`).
+        // hashed with the layer's products (`QueuedLayer`).
         let rows = q.len() / cfg.q_width();
         let first = from.max(start);
         let row_bytes = cache.row_bytes();
@@ -647,11 +663,20 @@ impl Model {
         }
         x.check_finite(&stage, &format!("{} (input)", range.start))?;
         let mut x = x;
-        let mut batch = LeafBatch::default();
+        // Two batches taking turns: a layer's leaves are hashed while the next layer computes
+        // (side by side when the engine has threads to spare), each batch's buffers reused.
+        let mut batches = [LeafBatch::default(), LeafBatch::default()];
+        let mut waiting: Option<QueuedLayer> = None;
         for (ci, i) in range.clone().enumerate() {
             let layer = self.layers.get(&i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))
             })?;
+            let [even, odd] = &mut batches;
+            let (now, before) = if ci % 2 == 0 {
+                (even, odd)
+            } else {
+                (odd, even)
+            };
             let mut kept = keep.is_some().then(|| KeptLayer::new(i, x.clone()));
             let mut products = Compute {
                 model: self,
@@ -662,19 +687,35 @@ impl Model {
                 first: trace.as_deref().map(|t| (x.start, t.from)),
                 trace: trace.as_deref_mut(),
                 keep: kept.as_mut(),
-                batch: &mut batch,
+                batch: now,
                 queued: Vec::new(),
             };
             products.queue_input(&x);
-            // A stage's products never stop a block early.
-            x = self
-                .block(&Glue::of(layer), i, x, &mut products)?
-                .ok_or_else(|| ModelError::Input(format!("layer {i} stopped early")))?;
-            products.finish();
-            if let (Some(k), Some(l)) = (keep.as_deref_mut(), kept) {
-                k.layers.push(l);
+            // (`None`: nothing to hash, an untraced hop.)
+            let previous = waiting
+                .as_ref()
+                .and_then(|w| (!w.sets.is_empty()).then_some(w.many));
+            let (y, hashed) = gemm.join(
+                || self.block(&Glue::of(layer), i, x, &mut products),
+                || previous.map(|many| gemm.finish_leaves(before, many)),
+            );
+            let queued = QueuedLayer {
+                sets: std::mem::take(&mut products.queued),
+                many: products.batch.rows() > 32,
+                kept,
+            };
+            if let Some(w) = waiting.take() {
+                w.record(hashed, trace.as_deref_mut(), keep.as_deref_mut());
             }
+            // A stage's products never stop a block early.
+            x = y?.ok_or_else(|| ModelError::Input(format!("layer {i} stopped early")))?;
+            waiting = Some(queued);
             x.check_finite(&stage, &i.to_string())?;
+        }
+        if let Some(w) = waiting.take() {
+            let last = &mut batches[(range.len() - 1) % 2];
+            let hashed = (!w.sets.is_empty()).then(|| gemm.finish_leaves(last, w.many));
+            w.record(hashed, trace.as_deref_mut(), keep);
         }
         if let Some(t) = trace {
             t.push(

@@ -238,6 +238,19 @@ impl Gemm {
         }
     }
 
+    /// Runs `a` and `b`, side by side on this engine's threads when it has several (each may
+    /// use the pool itself); one after the other otherwise.
+    pub fn join<A: Send, B: Send>(
+        &self,
+        a: impl FnOnce() -> A + Send,
+        b: impl FnOnce() -> B + Send,
+    ) -> (A, B) {
+        match &self.pool {
+            Some(pool) => pool.install(|| rayon::join(a, b)),
+            None => (a(), b()),
+        }
+    }
+
     /// The kernel in use.
     pub fn kernel(&self) -> Kernel {
         self.kernel
