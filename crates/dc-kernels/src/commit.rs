@@ -254,11 +254,32 @@ fn f32_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 /// The commitment to activations whose first row is at position `start`, rows of `width`
 /// values: `H_activations(start: u64 LE, width: u64 LE, the values as f32 LE)`.
 pub fn activations_commitment(start: usize, width: usize, values: &[f32]) -> Commitment {
-    let mut h = Domain::Activations.hasher();
-    h.update(&(start as u64).to_le_bytes());
-    h.update(&(width as u64).to_le_bytes());
-    update_f32(&mut h, values);
-    Commitment(*h.finalize().as_bytes())
+    hash_headed(Domain::Activations, [start as u64, width as u64], values)
+}
+
+/// `H_domain(head[0]: u64 LE, head[1]: u64 LE, values as f32 LE)`.
+///
+/// A message of two chunks or more is hashed from one contiguous copy: handed its 16-byte head
+/// first, the `blake3` crate would compress the rest of the first chunk block by block and could
+/// not hash the chunks side by side (what a checker's opened rows mostly are).
+fn hash_headed(domain: Domain, head: [u64; 2], values: &[f32]) -> Commitment {
+    thread_local! {
+        static MESSAGE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let mut h = domain.hasher();
+    if 16 + values.len() * 4 < 2 * 1024 {
+        h.update(&head[0].to_le_bytes());
+        h.update(&head[1].to_le_bytes());
+        update_f32(&mut h, values);
+        return Commitment(*h.finalize().as_bytes());
+    }
+    MESSAGE.with_borrow_mut(|m| {
+        m.clear();
+        m.extend_from_slice(&head[0].to_le_bytes());
+        m.extend_from_slice(&head[1].to_le_bytes());
+        m.extend_from_slice(&f32_le_bytes(values));
+        Commitment(*h.update(m).finalize().as_bytes())
+    })
 }
 
 /// The Merkle leaf of one output row of a product at absolute sequence `position`:
@@ -267,11 +288,11 @@ pub fn activations_commitment(start: usize, width: usize, values: &[f32]) -> Com
 /// bit what the product hands on. The leaf names the position, so the rows of one hop can be checked
 /// against a recomputation over a longer sequence.
 pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
-    let mut h = Domain::ProductRow.hasher();
-    h.update(&(position as u64).to_le_bytes());
-    h.update(&(values.len() as u64).to_le_bytes());
-    update_f32(&mut h, values);
-    Commitment(*h.finalize().as_bytes())
+    hash_headed(
+        Domain::ProductRow,
+        [position as u64, values.len() as u64],
+        values,
+    )
 }
 
 /// Leaves wanted, queued to be hashed together ([`crate::hash_many`]: short rows hashed one
@@ -741,6 +762,31 @@ mod tests {
         );
         let c = Domain::Model.hash(b"x");
         assert_eq!(Commitment::from_hex(&c.to_hex()), Some(c));
+    }
+
+    #[test]
+    fn headed_hashes_are_the_plain_definition_either_side_of_the_copy() {
+        // 508 values and the 16-byte head are the first message of two chunks.
+        for n in [0usize, 1, 255, 507, 508, 509, 1536, 4096] {
+            let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.37 - 11.0).collect();
+            let mut bytes = Vec::new();
+            for head in [7u64, n as u64] {
+                bytes.extend_from_slice(&head.to_le_bytes());
+            }
+            for v in &values {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            assert_eq!(
+                product_row_leaf(7, &values),
+                Domain::ProductRow.hash(&bytes),
+                "{n}"
+            );
+            assert_eq!(
+                activations_commitment(7, n, &values),
+                Domain::Activations.hash(&bytes),
+                "{n}"
+            );
+        }
     }
 
     #[test]
