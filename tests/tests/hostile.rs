@@ -163,8 +163,9 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         other => panic!("expected a reveal answer, got {other:?}"),
     };
     let ok = revealed(client.stage_request(victim, reveal(0, vec![(1, 0)])).await).unwrap();
-    // Every product's row but the KV cache's (q, k, v, scores, context, o, gate, up, down),
-    // and the layer's cache rows of the hop's one position.
+    // Every committed product's row but the KV cache's (q, k, v, context, o, the MLP's hidden
+    // row, down) and the MLP's first products' (gate, up; the scores commit through the
+    // context), and the layer's cache rows of the hop's one position.
     assert_eq!((ok.len(), ok[0].layer, ok[0].rows.len()), (1, 1, 9));
     let cfg = dc_model::Model::load(&model, &Default::default())
         .unwrap()

@@ -1,7 +1,8 @@
 //! Commitments (NUMERICS.md §5): blake3 with one derived key per kind of thing, Merkle trees
 //! whose leaves are a product's output rows (its exact accumulators rounded once to f32), so a
-//! checker can verify one row of a product without the rest, and the canonical encoding in
-//! which a stage reveals a row's exact accumulators for a check.
+//! checker can verify one row of a product without the rest (the MLP's hidden rows as the down
+//! projection takes them, quantised), and the canonical encoding in which a stage reveals a
+//! row's exact accumulators for a check.
 //!
 //! Nothing else in the code base hashes ad hoc: every hash goes through [`Domain`].
 
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::exact::Exact;
 use crate::gemm::Accumulators;
 use crate::hash_many::Messages;
+use crate::quant::QuantizedRows;
 
 /// A 32-byte blake3 commitment.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
@@ -78,10 +80,13 @@ pub enum Domain {
     KvRow,
     /// One output row of a product, its f32 values (a Merkle leaf; since protocol 5).
     ProductRow,
+    /// One row of activations quantised as a product takes them: its blocks' scales and
+    /// elements (a Merkle leaf; since protocol 6, the MLP's hidden row).
+    QuantizedRow,
 }
 
 impl Domain {
-    const ALL: [Domain; 12] = [
+    const ALL: [Domain; 13] = [
         Domain::GemmRow,
         Domain::MerkleNode,
         Domain::Gemm,
@@ -94,6 +99,7 @@ impl Domain {
         Domain::FraudProof,
         Domain::KvRow,
         Domain::ProductRow,
+        Domain::QuantizedRow,
     ];
 
     /// The blake3 `derive_key` context: globally unique, never to be changed once shipped.
@@ -111,6 +117,7 @@ impl Domain {
             Domain::FraudProof => "DaisyChain 2026-11-29 fraud proof v1",
             Domain::KvRow => "DaisyChain 2026-11-30 kv cache row leaf v1",
             Domain::ProductRow => "DaisyChain 2026-12-02 product output row leaf v1",
+            Domain::QuantizedRow => "DaisyChain 2026-12-02 quantised activation row leaf v1",
         }
     }
 
@@ -295,6 +302,17 @@ pub fn product_row_leaf(position: usize, values: &[f32]) -> Commitment {
     )
 }
 
+/// The Merkle leaf of one row of quantised activations at absolute sequence `position`, `k`
+/// elements whose canonical bytes ([`QuantizedRows::encode_row`]) are `bytes`:
+/// `H_quantized_row(position: u64 LE, k: u64 LE, bytes)`. What a product takes in, bit for
+/// bit; the leaf names the position like a product row's.
+pub fn quantized_row_leaf(position: usize, k: usize, bytes: &[u8]) -> Commitment {
+    let mut h = Domain::QuantizedRow.hasher();
+    h.update(&(position as u64).to_le_bytes());
+    h.update(&(k as u64).to_le_bytes());
+    Commitment(*h.update(bytes).finalize().as_bytes())
+}
+
 /// Leaves wanted, queued to be hashed together ([`crate::hash_many`]: short rows hashed one
 /// at a time leave BLAKE3's SIMD idle), in sets that are each committed as a product is
 /// (`gemm_commitment(leaves, cols, root)`): a prefill's rows of one product, or everything a
@@ -378,6 +396,26 @@ impl LeafBatch {
             self.product_row(first + r, &out[r * cols..(r + 1) * cols]);
         }
         self.end_set(cols);
+    }
+
+    /// Queues, as one set, the leaves ([`quantized_row_leaf`]) of the rows of `x` (the first
+    /// row at position `first`) from position `from` on; its commitment names `x.k()`.
+    pub fn queue_quantized(&mut self, x: &QuantizedRows, first: usize, from: usize) {
+        let skip = from.saturating_sub(first).min(x.rows());
+        let mut bytes = Vec::new();
+        for r in skip..x.rows() {
+            bytes.clear();
+            x.encode_row(r, &mut bytes);
+            self.leaf(
+                Domain::QuantizedRow,
+                &[
+                    &((first + r) as u64).to_le_bytes(),
+                    &(x.k() as u64).to_le_bytes(),
+                    &bytes,
+                ],
+            );
+        }
+        self.end_set(x.k());
     }
 
     /// The number of sets queued.
@@ -790,6 +828,23 @@ mod tests {
     }
 
     #[test]
+    fn a_quantised_row_leaf_hashes_position_length_and_bytes() {
+        let x: Vec<f32> = (0..40).map(|i| i as f32 - 19.5).collect();
+        let q = QuantizedRows::quantize(&x, 1, 40, "x").unwrap();
+        let mut bytes = Vec::new();
+        q.encode_row(0, &mut bytes);
+        let message = [&9u64.to_le_bytes()[..], &40u64.to_le_bytes(), &bytes].concat();
+        assert_eq!(
+            quantized_row_leaf(9, 40, &bytes),
+            Domain::QuantizedRow.hash(&message)
+        );
+        assert_ne!(
+            quantized_row_leaf(9, 40, &bytes),
+            quantized_row_leaf(10, 40, &bytes)
+        );
+    }
+
+    #[test]
     fn positioned_leaves_match_exact_leaves() {
         let acc = Accumulators::from_values(
             2,
@@ -858,7 +913,20 @@ mod tests {
                 })
                 .collect();
             want.push((commit_leaves(40, &leaves), leaves));
-            proptest::prop_assert_eq!(batch.len(), shapes.len() + 2);
+            // Quantised rows (as a stage queues its MLP's hidden rows), from their third row.
+            let (rows, k) = (shapes.len(), 96 + 37 * shapes.len());
+            let x: Vec<f32> = (0..rows * k).map(|v| (v as f32 * 0.61).sin() * 5.0).collect();
+            let q = QuantizedRows::quantize(&x, rows, k, "hidden").unwrap();
+            batch.queue_quantized(&q, 40, 42);
+            let leaves: Vec<Commitment> = (2..rows)
+                .map(|r| {
+                    let mut bytes = Vec::new();
+                    q.encode_row(r, &mut bytes);
+                    quantized_row_leaf(40 + r, k, &bytes)
+                })
+                .collect();
+            want.push((commit_leaves(k, &leaves), leaves));
+            proptest::prop_assert_eq!(batch.len(), shapes.len() + 3);
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
             let got = pool.install(|| batch.finish(parallel));
             proptest::prop_assert_eq!(got, want);

@@ -556,11 +556,97 @@ impl QuantizedRows {
     pub fn row_scales(&self, row: usize) -> &[BlockScale] {
         &self.scales[row * self.blocks..(row + 1) * self.blocks]
     }
+
+    /// Appends the canonical bytes of row `row` ([`ROW_BYTES_PER_BLOCK`] per block): every
+    /// block's scale as `m: u8, e: i16 LE`, then the row's `blocks × 32` elements (zero past
+    /// `k`). What a committed quantised row's leaf hashes and what a reveal of it carries.
+    pub fn encode_row(&self, row: usize, out: &mut Vec<u8>) {
+        out.reserve(self.blocks * ROW_BYTES_PER_BLOCK);
+        for s in self.row_scales(row) {
+            out.push(s.m);
+            out.extend_from_slice(&s.e.to_le_bytes());
+        }
+        out.extend(self.row_q(row).iter().map(|&q| q as u8));
+    }
+
+    /// One row of `k` elements from its canonical bytes ([`QuantizedRows::encode_row`]), as a
+    /// peer revealed them: refuses a wrong length, a scale mantissa outside `[128, 255]`, an
+    /// element of −128 (the quantiser never makes one) and a non-zero element past `k`, with
+    /// the reason.
+    pub fn decode_row(bytes: &[u8], k: usize) -> std::result::Result<QuantizedRows, String> {
+        let blocks = k.div_ceil(BLOCK);
+        if bytes.len() != blocks * ROW_BYTES_PER_BLOCK {
+            return Err(format!(
+                "a quantised row of {k} elements is {} bytes, not {}",
+                blocks * ROW_BYTES_PER_BLOCK,
+                bytes.len()
+            ));
+        }
+        let (head, elements) = bytes.split_at(blocks * 3);
+        let mut scales = Vec::with_capacity(blocks);
+        for (b, s) in head.chunks_exact(3).enumerate() {
+            let scale = BlockScale {
+                m: s[0],
+                e: i16::from_le_bytes([s[1], s[2]]),
+            };
+            if scale.m < 128 {
+                return Err(format!(
+                    "block {b}'s scale mantissa {} is below 128",
+                    scale.m
+                ));
+            }
+            scales.push(scale);
+        }
+        if let Some(i) = elements.iter().position(|&q| q == 0x80) {
+            return Err(format!("element {i} is -128"));
+        }
+        if let Some(i) = elements[k..].iter().position(|&q| q != 0) {
+            return Err(format!("padding element {} is not zero", k + i));
+        }
+        let q = elements.iter().map(|&b| b as i8).collect();
+        Ok(QuantizedRows::from_parts(1, k, q, scales))
+    }
 }
+
+/// Bytes per block of a quantised row's canonical form: its scale (3) and its 32 elements.
+pub const ROW_BYTES_PER_BLOCK: usize = 3 + BLOCK;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_row_decodes_from_its_canonical_bytes_and_malformed_bytes_are_refused() {
+        let k = 70;
+        let x: Vec<f32> = (0..2 * k).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let q = QuantizedRows::quantize(&x, 2, k, "x").unwrap();
+        let mut bytes = Vec::new();
+        q.encode_row(1, &mut bytes);
+        assert_eq!(bytes.len(), 3 * ROW_BYTES_PER_BLOCK);
+        let back = QuantizedRows::decode_row(&bytes, k).unwrap();
+        assert_eq!((back.rows(), back.k()), (1, k));
+        assert_eq!(back.row_q(0), q.row_q(1));
+        assert_eq!(back.row_scales(0), q.row_scales(1));
+        assert_eq!(back.meta(0), q.meta(1));
+        let mut again = Vec::new();
+        back.encode_row(0, &mut again);
+        assert_eq!(again, bytes);
+        let refused = |b: &[u8], why: &str| {
+            let err = QuantizedRows::decode_row(b, k).unwrap_err();
+            assert!(err.contains(why), "{err}");
+        };
+        refused(&bytes[1..], "bytes");
+        refused(&[bytes.clone(), vec![0]].concat(), "bytes");
+        let mut b = bytes.clone();
+        b[3] = 127;
+        refused(&b, "mantissa");
+        let mut b = bytes.clone();
+        b[9 + 5] = 0x80;
+        refused(&b, "-128");
+        let mut b = bytes.clone();
+        b[9 + k + 1] = 1;
+        refused(&b, "padding");
+    }
 
     #[test]
     fn zero_block_has_unit_scale() {

@@ -8,8 +8,12 @@
 //!   the probabilities exactly (`P'_j = P_j · 2^e_j`, held in f64 where it is always exact),
 //!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
 //!   Keys outside the causal or sliding window are exact zeros.
+//!
+//! A committing stage commits each query row's context (its f32 outputs); the scores reach
+//! nothing but the softmax that makes the context's input, so they commit through it (since
+//! protocol 6), and a check of either product recomputes both.
 
-use dc_kernels::commit::{product_row_leaf, LeafBatch};
+use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
@@ -363,24 +367,6 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
-/// Commitments to both attention products of one layer over a hop's rows: per query position,
-/// one leaf over every head's scores (each exact sum rounded once to f32, before the scale),
-/// one over every head's context values (the f32 outputs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttentionCommitments {
-    /// `Q · Kᵀ`.
-    pub scores: dc_kernels::Commitment,
-    /// `P' · V`.
-    pub context: dc_kernels::Commitment,
-}
-
-/// What one (position, head) commits to besides its output, kept only when committing: every
-/// key's score rounded once to f32, before the scale (what the scores row's leaf hashes).
-#[derive(Default)]
-struct HeadScores {
-    scores: Vec<f32>,
-}
-
 /// Causal attention of `rows` new query rows at absolute positions `start..start + rows`
 /// against every key in `cache` (which must already hold those positions).
 /// `q` is `rows × heads · head_dim` (RoPE applied); the context goes to `out`, same shape.
@@ -395,12 +381,10 @@ pub fn attend(
     attend_committed(shape, cache, q, start, out, layer, None, None).map(|_| ())
 }
 
-/// The Merkle leaves of both attention products' committed rows (a stage keeps them to open a
-/// row later; a checker compares its own).
+/// The Merkle leaves of the attention's committed rows (a stage keeps them to open a row later;
+/// a checker compares its own).
 #[derive(Clone, Debug, Default)]
 pub struct AttentionLeaves {
-    /// One per committed position of `Q · Kᵀ`.
-    pub scores: Vec<Commitment>,
     /// One per committed position of `P' · V`.
     pub context: Vec<Commitment>,
     /// Each committed row of `P' · V` (what its leaf hashes): a stage reveals it when a check
@@ -420,8 +404,9 @@ pub enum AttentionKernel {
     Fast,
 }
 
-/// [`attend`], also committing to both products' rows for the positions from `commit_from`
-/// on, when given; `leaves` receives each committed row's leaves.
+/// [`attend`], also committing to the context's rows (every head's f32 outputs, one leaf per
+/// position) for the positions from `commit_from` on, when given; `leaves` receives each
+/// committed row's leaf and values.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_committed(
     shape: AttentionShape,
@@ -432,7 +417,7 @@ pub fn attend_committed(
     layer: usize,
     commit_from: Option<usize>,
     leaves: Option<&mut AttentionLeaves>,
-) -> Result<Option<AttentionCommitments>> {
+) -> Result<Option<Commitment>> {
     attend_committed_with(
         AttentionKernel::Fast,
         shape,
@@ -458,7 +443,7 @@ pub fn attend_committed_with(
     layer: usize,
     commit_from: Option<usize>,
     leaves: Option<&mut AttentionLeaves>,
-) -> Result<Option<AttentionCommitments>> {
+) -> Result<Option<Commitment>> {
     let Some(from) = commit_from else {
         attend_queued_with(kernel, shape, cache, q, start, out, layer, None, false)?;
         return Ok(None);
@@ -476,22 +461,20 @@ pub fn attend_committed_with(
         Some((from, &mut batch)),
         keep_rows,
     )?;
-    let mut done = batch.finish(false).into_iter();
-    let (Some((scores, sl)), Some((context, cl))) = (done.next(), done.next()) else {
-        unreachable!("both attention products queued a set");
+    let Some((context, cl)) = batch.finish(false).into_iter().next() else {
+        unreachable!("the context queued a set");
     };
     if let Some(l) = leaves {
-        l.scores = sl;
         l.context = cl;
         l.context_rows = context_rows;
     }
-    Ok(Some(AttentionCommitments { scores, context }))
+    Ok(Some(context))
 }
 
-/// [`attend_committed_with`] with both products' committed rows (positions from the given
-/// first on) queued in the batch, the scores' set and then the context's, instead of hashed
-/// here: a stage hashes everything a layer commits together. Returns each committed row of
-/// the context when `keep_rows` (a keeping stage reveals them), otherwise nothing.
+/// [`attend_committed_with`] with the context's committed rows (positions from the given first
+/// on) queued in the batch as one set instead of hashed here: a stage hashes everything a
+/// layer commits together. Returns each committed row of the context when `keep_rows` (a
+/// keeping stage reveals them), otherwise nothing.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_queued_with(
     kernel: AttentionKernel,
@@ -504,7 +487,6 @@ pub fn attend_queued_with(
     commit: Option<(usize, &mut LeafBatch)>,
     keep_rows: bool,
 ) -> Result<Vec<Vec<f32>>> {
-    let commit_from = commit.as_ref().map(|c| c.0);
     let (hd, heads) = (shape.head_dim, shape.heads);
     let rows = q.len() / (heads * hd);
     if start + rows > cache.len {
@@ -519,74 +501,41 @@ pub fn attend_queued_with(
     let one = |scratch: &mut HeadScratch, (idx, o): (usize, &mut [f32])| {
         let (t, h) = (idx / heads, idx % heads);
         let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-        let mut ex = commit_from
-            .is_some_and(|f| start + t >= f)
-            .then(HeadScores::default);
         let (g, pos, window) = (h / group, start + t, shape.window);
         match kernel {
             AttentionKernel::Reference => {
-                reference::head_attention(cache, qh, g, pos, window, scale, o, ex.as_mut())
+                reference::head_attention(cache, qh, g, pos, window, scale, o)
             }
-            AttentionKernel::Fast => head_attention(
-                cache,
-                qh,
-                g,
-                pos,
-                window,
-                scale,
-                o,
-                ex.as_mut(),
-                scratch,
-                false,
-            ),
-        }?;
-        Ok(ex)
+            AttentionKernel::Fast => head_attention(cache, qh, g, pos, window, scale, o, scratch),
+        }
     };
     // Heads run in parallel on the rayon pool this is called from (`Gemm::install`); called
     // from outside any pool (a one-thread engine, a test) they run on the calling thread, so a
     // daemon told to use one thread uses one.
-    let results: Vec<Result<Option<HeadScores>, String>> =
-        if rayon::current_thread_index().is_some() {
-            out.par_chunks_mut(hd)
-                .enumerate()
-                .map_init(HeadScratch::default, one)
-                .collect()
-        } else {
-            let mut scratch = HeadScratch::default();
-            out.chunks_mut(hd)
-                .enumerate()
-                .map(|head| one(&mut scratch, head))
-                .collect()
-        };
-    let mut exact = Vec::with_capacity(results.len());
-    for r in results {
-        match r {
-            Ok(e) => exact.push(e),
-            Err(detail) => {
-                return Err(ModelError::NonFinite {
-                    stage: format!("attention of layer {layer}"),
-                    layer: layer.to_string(),
-                    detail,
-                })
-            }
-        }
+    let results: Vec<Result<(), String>> = if rayon::current_thread_index().is_some() {
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .map_init(HeadScratch::default, one)
+            .collect()
+    } else {
+        let mut scratch = HeadScratch::default();
+        out.chunks_mut(hd)
+            .enumerate()
+            .map(|head| one(&mut scratch, head))
+            .collect()
+    };
+    if let Some(detail) = results.into_iter().find_map(Result::err) {
+        return Err(ModelError::NonFinite {
+            stage: format!("attention of layer {layer}"),
+            layer: layer.to_string(),
+            detail,
+        });
     }
     let Some((from, batch)) = commit else {
         return Ok(Vec::new());
     };
     let width = heads * hd;
     let committed = from.saturating_sub(start).min(rows)..rows;
-    let mut scores = Vec::new();
-    for t in committed.clone() {
-        scores.clear();
-        let row = &exact[t * heads..(t + 1) * heads];
-        scores.reserve(row.iter().flatten().map(|e| e.scores.len()).sum());
-        for e in row.iter().flatten() {
-            scores.extend_from_slice(&e.scores);
-        }
-        batch.product_row(start + t, &scores);
-    }
-    batch.end_set(heads);
     for t in committed.clone() {
         batch.product_row(start + t, &out[t * width..(t + 1) * width]);
     }
@@ -597,57 +546,6 @@ pub fn attend_queued_with(
             .collect(),
         false => Vec::new(),
     })
-}
-
-/// The leaf of the committed scores row (`Q · Kᵀ`, every head's rounded scores) of one query
-/// row `q` (`heads · head_dim`, RoPE applied) at absolute position `pos`, which `cache` must
-/// hold: what a check of the scores alone recomputes, without the softmax and the context.
-/// The same leaf as [`attend_committed`] commits for that row.
-pub fn score_row_leaf(
-    shape: AttentionShape,
-    cache: &LayerCache,
-    q: &[f32],
-    pos: usize,
-    layer: usize,
-) -> Result<Commitment> {
-    let (hd, heads) = (shape.head_dim, shape.heads);
-    if q.len() != heads * hd || pos >= cache.len {
-        return Err(ModelError::Input(format!(
-            "layer {layer}: a scores row of {} values at position {pos} for a cache of {}",
-            q.len(),
-            cache.len
-        )));
-    }
-    let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let group = heads / shape.kv_heads;
-    let mut scratch = HeadScratch::default();
-    // Each head appends its scores to the row's (the scores-only kernel writes no context);
-    // room for all of them at once, or each head's own reservation would copy the row so far.
-    let mut ex = HeadScores::default();
-    let keys = shape.window.map_or(pos + 1, |w| w.min(pos + 1));
-    ex.scores.reserve_exact(heads * keys);
-    let mut unused = vec![0f32; hd];
-    for h in 0..heads {
-        let qh = &q[h * hd..(h + 1) * hd];
-        head_attention(
-            cache,
-            qh,
-            h / group,
-            pos,
-            shape.window,
-            scale,
-            &mut unused,
-            Some(&mut ex),
-            &mut scratch,
-            true,
-        )
-        .map_err(|detail| ModelError::NonFinite {
-            stage: format!("attention of layer {layer}"),
-            layer: layer.to_string(),
-            detail,
-        })?;
-    }
-    Ok(product_row_leaf(pos, &ex.scores))
 }
 
 /// Widest head the fast kernel takes, in blocks (head_dim 256); wider heads use the reference.
@@ -691,13 +589,11 @@ fn head_attention(
     window: Option<usize>,
     scale: f32,
     out: &mut [f32],
-    mut exact: Option<&mut HeadScores>,
     scratch: &mut HeadScratch,
-    scores_only: bool,
 ) -> Result<(), String> {
     let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
     if hb > FAST_MAX_BLOCKS {
-        return reference::head_attention(cache, qh, g, pos, window, scale, out, exact);
+        return reference::head_attention(cache, qh, g, pos, window, scale, out);
     }
     let HeadScratch {
         qq,
@@ -724,9 +620,6 @@ fn head_attention(
     }
     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let n = pos + 1 - lo;
-    if let Some(e) = exact.as_deref_mut() {
-        e.scores.reserve_exact(n);
-    }
     // Scores: every key's block products at once, then per key the exact sum of its block
     // terms, rounded once to f32, then the f32 scale.
     let key_bytes = hb * BLOCK;
@@ -744,15 +637,12 @@ fn head_attention(
     };
     match hb {
         // The common head widths (32, 64, 96, 128) with the block loop unrolled.
-        1 => scores_of::<1>(qs, dots, keys, scale, pos, scores, exact),
-        2 => scores_of::<2>(qs, dots, keys, scale, pos, scores, exact),
-        3 => scores_of::<3>(qs, dots, keys, scale, pos, scores, exact),
-        4 => scores_of::<4>(qs, dots, keys, scale, pos, scores, exact),
-        _ => scores_any(qs, dots, keys, scale, pos, scores, exact),
+        1 => scores_of::<1>(qs, dots, keys, scale, pos, scores),
+        2 => scores_of::<2>(qs, dots, keys, scale, pos, scores),
+        3 => scores_of::<3>(qs, dots, keys, scale, pos, scores),
+        4 => scores_of::<4>(qs, dots, keys, scale, pos, scores),
+        _ => scores_any(qs, dots, keys, scale, pos, scores),
     }?;
-    if scores_only {
-        return Ok(());
-    }
     softmax_with(scores, exps);
     // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions; each
     // block's value rows times its probabilities summed into its own i32 accumulators.
@@ -800,16 +690,10 @@ struct KeyScales<'a> {
 }
 
 /// The score of one key from its `HB` block dot products `d` and the query's and key's block
-/// scales: the exact sum of the terms `d_b · m_q · m_k · 2^(e_q + e_k)` rounded once to f32,
-/// also appended to `committed` when given. `None` when the score is outside the f32
-/// range.
+/// scales: the exact sum of the terms `d_b · m_q · m_k · 2^(e_q + e_k)` rounded once to f32.
+/// `None` when the score is outside the f32 range.
 #[inline(always)]
-fn key_score<const HB: usize>(
-    qs: &[BlockScale; HB],
-    ks: &[BlockScale],
-    d: &[i32],
-    committed: Option<&mut Vec<f32>>,
-) -> Option<f32> {
+fn key_score<const HB: usize>(qs: &[BlockScale; HB], ks: &[BlockScale], d: &[i32]) -> Option<f32> {
     let (ks, d): (&[BlockScale; HB], &[i32; HB]) = (ks.try_into().ok()?, d.try_into().ok()?);
     let mut terms = [(0i64, 0i32); HB];
     for b in 0..HB {
@@ -821,27 +705,12 @@ fn key_score<const HB: usize>(
     let emin = terms.iter().map(|t| t.1).min().unwrap_or(0);
     let emax = terms.iter().map(|t| t.1).max().unwrap_or(0);
     if emax - emin > SCORE_F64_SPAN {
-        return sum_terms_into(&terms, committed);
+        return sum_terms(&terms);
     }
     // Exact in f64 (see SCORE_F64_SPAN); the conversion is the one rounding.
     let sum: f64 = terms.iter().map(|&(t, e)| t as f64 * pow2(e)).sum();
     let dot = sum as f32;
-    if !dot.is_finite() {
-        return None;
-    }
-    if let Some(x) = committed {
-        x.push(dot);
-    }
-    Some(dot)
-}
-
-/// [`sum_terms`]'s rounding, also appended to `committed` when given.
-fn sum_terms_into(terms: &[(i64, i32)], committed: Option<&mut Vec<f32>>) -> Option<f32> {
-    let dot = sum_terms(terms)?;
-    if let Some(x) = committed {
-        x.push(dot);
-    }
-    Some(dot)
+    dot.is_finite().then_some(dot)
 }
 
 /// Every key's scaled score into `scores` (see [`key_score`]) for `HB` blocks per head.
@@ -852,11 +721,10 @@ fn scores_of<const HB: usize>(
     scale: f32,
     pos: usize,
     scores: &mut Vec<f32>,
-    exact: Option<&mut HeadScores>,
 ) -> Result<(), String> {
     let qs: &[BlockScale; HB] = qs.try_into().expect("HB query blocks");
-    scores_with(dots, HB, keys, scale, pos, scores, exact, |ks, d, x| {
-        key_score(qs, ks, d, x)
+    scores_with(dots, HB, keys, scale, pos, scores, |ks, d| {
+        key_score(qs, ks, d)
     })
 }
 
@@ -868,10 +736,9 @@ fn scores_any(
     scale: f32,
     pos: usize,
     scores: &mut Vec<f32>,
-    exact: Option<&mut HeadScores>,
 ) -> Result<(), String> {
     let hb = qs.len();
-    scores_with(dots, hb, keys, scale, pos, scores, exact, |ks, d, x| {
+    scores_with(dots, hb, keys, scale, pos, scores, |ks, d| {
         let mut terms = [(0i64, 0i32); FAST_MAX_BLOCKS];
         for (b, t) in terms[..hb].iter_mut().enumerate() {
             *t = (
@@ -879,7 +746,7 @@ fn scores_any(
                 qs[b].e as i32 + ks[b].e as i32,
             );
         }
-        sum_terms_into(&terms[..hb], x)
+        sum_terms(&terms[..hb])
     })
 }
 
@@ -892,13 +759,12 @@ fn scores_with(
     scale: f32,
     pos: usize,
     scores: &mut Vec<f32>,
-    mut exact: Option<&mut HeadScores>,
-    score: impl Fn(&[BlockScale], &[i32], Option<&mut Vec<f32>>) -> Option<f32>,
+    score: impl Fn(&[BlockScale], &[i32]) -> Option<f32>,
 ) -> Result<(), String> {
     scores.clear();
     for (i, d) in dots.chunks_exact(hb).enumerate() {
         let ks = &keys.scales[i * keys.stride..i * keys.stride + hb];
-        let dot = score(ks, d, exact.as_deref_mut().map(|e| &mut e.scores)).ok_or_else(|| {
+        let dot = score(ks, d).ok_or_else(|| {
             format!(
                 "score of key {} overflows f32 at position {pos}",
                 keys.first + i
@@ -1041,6 +907,7 @@ fn context_sum(terms: &[(i64, i32)]) -> Exact {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dc_kernels::commit::product_row_leaf;
 
     /// Block scales and sums for [`context_outputs_by_block`]. Modes: 0, exponents in steps
     /// around the grouping limit; 1, anywhere; 2, a crowd: one block, then every other one
@@ -1119,10 +986,10 @@ mod tests {
         }
     }
 
-    /// A stage queues its cache rows and both attention products' rows in the layer's batch;
-    /// hashed together with a product's rows, every set gets the commitment and leaves the
-    /// direct functions give (`cache_commitment`, `attend_committed`), and the context rows
-    /// it hands back are the committed rows of the output.
+    /// A stage queues its cache rows and the context's rows in the layer's batch; hashed
+    /// together with a product's rows, every set gets the commitment and leaves the direct
+    /// functions give (`cache_commitment`, `attend_committed`), and the context rows it hands
+    /// back are the committed rows of the output.
     #[test]
     fn queued_cache_and_attention_sets_commit_as_the_direct_functions() {
         let shape = AttentionShape {
@@ -1178,17 +1045,14 @@ mod tests {
         assert_eq!(rows, leaves.context_rows);
         assert_eq!(rows.len(), 2, "positions 3 and 4 committed");
         let done = batch.finish(false);
-        assert_eq!(done.len(), 4);
+        assert_eq!(done.len(), 3);
         assert_eq!(done[1].0, cache_commitment(from, cache.row_bytes(), &bytes));
         // The leaves themselves, against paths that hash one row alone.
-        assert_eq!(
-            leaves.scores[0],
-            score_row_leaf(shape, &cache, &q[32..64], 3, 0).unwrap()
-        );
+        assert_eq!(leaves.context.len(), 2);
+        assert_eq!(leaves.context[0], product_row_leaf(3, &out[32..64]));
         assert_eq!(leaves.context[1], product_row_leaf(4, &out[64..96]));
         assert_eq!(done[1].1[0], cache_row_leaf(3, &bytes[..cache.row_bytes()]));
-        assert_eq!(done[2], (want.scores, leaves.scores));
-        assert_eq!(done[3], (want.context, leaves.context));
+        assert_eq!(done[2], (want, leaves.context));
     }
 
     #[test]

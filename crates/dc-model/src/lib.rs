@@ -29,6 +29,6 @@ pub use error::{ModelError, Result};
 pub use model::{Activations, KvCache, LoadOptions, Model};
 pub use reveal::{
     check_cache_rows, check_parts, check_picks, draw_checks, gemms_per_layer, goal_rate,
-    rows_needed, CacheLog, KeptHop, LayerChecker, Needs, Pick,
+    rows_needed, tested_parts, CacheLog, KeptHop, LayerChecker, Needs, Pick,
 };
 pub use source::{TensorInfo, TensorSource};

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
+use dc_kernels::reveal::f32_row_bytes;
 use dc_kernels::{Commitment, Gemm, QuantizedRows};
 
 use crate::attention::{
@@ -195,6 +196,11 @@ pub(crate) trait Products {
     /// The attention context (`rows × q_width`) of rows at `start..` from their projections
     /// (RoPE applied), the keys and values going into the cache first.
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>>;
+    /// The MLP's hidden rows as the down projection takes them, from `derived` (what the glue
+    /// made of the first products): a stage commits them (`Point::Hidden`); a check tests the
+    /// derived rows against the commitment when it tested the first products, and otherwise
+    /// hands on the committed rows.
+    fn hidden(&mut self, derived: QuantizedRows) -> Result<QuantizedRows>;
     /// Whether the rest of the block is still wanted (a check stops once it has tested every
     /// part it drew; a stage never stops).
     fn more(&self) -> bool {
@@ -316,6 +322,15 @@ impl Products for Compute<'_> {
                 .forward_queued(self.gemm, x, out, None, false)
                 .map(|_| ());
         };
+        if !point.output_committed() {
+            // The MLP's first products commit through the hidden rows made of them; a stage
+            // keeping the hop keeps their accumulators to reveal (and a check to test) them.
+            let acc = lin.forward_queued(self.gemm, x, out, None, keep)?;
+            if let (Some(k), Some(acc)) = (self.keep.as_deref_mut(), acc) {
+                k.keep(point, Kept::Source(acc));
+            }
+            return Ok(());
+        }
         let acc = lin.forward_queued(self.gemm, x, out, Some((at, &mut *self.batch)), keep)?;
         self.queue_entry(point, |k| {
             acc.map(|acc| {
@@ -329,6 +344,32 @@ impl Products for Compute<'_> {
             })
         });
         Ok(())
+    }
+
+    fn hidden(&mut self, derived: QuantizedRows) -> Result<QuantizedRows> {
+        let Some((start, from)) = self.first else {
+            return Ok(derived);
+        };
+        self.batch.queue_quantized(&derived, start, from);
+        let k = derived.k();
+        self.queue_entry(Point::Hidden, |kept| {
+            let rows = (0..derived.rows())
+                .map(|r| {
+                    let mut bytes = Vec::new();
+                    derived.encode_row(r, &mut bytes);
+                    bytes
+                })
+                .collect();
+            Some(kept.keep(
+                Point::Hidden,
+                Kept::Leaves {
+                    cols: k,
+                    leaves: Vec::new(),
+                    rows,
+                },
+            ))
+        });
+        Ok(derived)
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
@@ -349,8 +390,8 @@ impl Products for Compute<'_> {
             })?;
             return Ok(ctx);
         };
-        // The cache rows this hop appended, then both attention products' rows: three sets,
-        // hashed with the layer's products (`QueuedLayer`).
+        // The cache rows this hop appended, then the context's rows (the scores commit through
+        // it): two sets, hashed with the layer's products (`QueuedLayer`).
         let rows = q.len() / cfg.q_width();
         let first = from.max(start);
         let row_bytes = cache.row_bytes();
@@ -375,11 +416,14 @@ impl Products for Compute<'_> {
                 keep,
             )
         })?;
-        let (heads, width) = (cfg.num_heads, cfg.q_width());
+        let width = cfg.q_width();
         for (point, cols, rows) in [
             (Point::KvCache, row_bytes, None),
-            (Point::Scores, heads, Some(Vec::new())),
-            (Point::Context, width, Some(context_rows)),
+            (
+                Point::Context,
+                width,
+                Some(context_rows.iter().map(|r| f32_row_bytes(r)).collect()),
+            ),
         ] {
             self.queue_entry(point, |k| {
                 rows.map(|rows| {
@@ -812,6 +856,10 @@ impl Model {
             silu_mul(&mut a, &u);
         }
         let qa = QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
+        let qa = products.hidden(qa)?;
+        if !products.more() {
+            return Ok(None);
+        }
         products.linear(Point::Down, &qa, &mut y)?;
         for (a, b) in x.data.iter_mut().zip(&y) {
             *a += b;

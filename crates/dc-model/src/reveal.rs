@@ -13,16 +13,18 @@
 
 use std::sync::Arc;
 
-use dc_kernels::commit::{merkle_proof, merkle_root, product_row_leaf, row_leaf_at};
+use dc_kernels::commit::{
+    merkle_proof, merkle_root, product_row_leaf, quantized_row_leaf, row_leaf_at,
+};
 use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::reveal::{
-    decode_f32_row, decode_for_check, f32_row_bytes, row_encoding, CheckedRow, Decode, Opening,
+    decode_f32_row, decode_for_check, row_encoding, CheckedRow, Decode, Opening,
 };
-use dc_kernels::{Commitment, Domain, QuantizedRows};
+use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
 use crate::attention::{
-    attend_committed, cache_commitment, score_row_leaf, AttentionLeaves, AttentionShape, LayerCache,
+    attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
 };
 use crate::error::{ModelError, Result};
 use crate::model::{Activations, Glue, KvCache, Model, Products};
@@ -32,14 +34,18 @@ use crate::weights::{add_bias, KeptProduct, Mlp, Norm};
 pub(crate) enum Kept {
     /// A weight product's exact accumulators and its rows' leaves.
     Gemm(KeptProduct),
-    /// Only the rows' Merkle leaves (the attention products: a checker recomputes their rows,
-    /// so a reveal carries just the root and the path), and for the context each row's values
-    /// (`rows`, empty for the scores), revealed when a check takes the context as the output
-    /// projection's input instead of recomputing it.
+    /// A weight product whose rows commit only through what is made of them (the MLP's first
+    /// products, through `Hidden`): its exact accumulators, revealed with no opening.
+    Source(Accumulators),
+    /// Only the rows' Merkle leaves (the attention products and the MLP's hidden rows: a
+    /// checker recomputes their rows, so a reveal carries just the root and the path), and for
+    /// the context and the hidden rows each row's encoding (`rows`, empty for the scores: the
+    /// context's f32 values, the hidden row's quantised bytes), revealed when a check takes
+    /// the row as the next product's input instead of recomputing it.
     Leaves {
         cols: usize,
         leaves: Vec<Commitment>,
-        rows: Vec<Vec<f32>>,
+        rows: Vec<Vec<u8>>,
     },
 }
 
@@ -47,14 +53,16 @@ impl Kept {
     fn bytes(&self) -> usize {
         match self {
             Kept::Gemm(k) => k.acc.bytes() + k.leaves.len() * 32,
+            Kept::Source(acc) => acc.bytes(),
             Kept::Leaves { leaves, rows, .. } => {
-                leaves.len() * 32 + rows.iter().map(|r| r.len() * 4).sum::<usize>()
+                leaves.len() * 32 + rows.iter().map(Vec::len).sum::<usize>()
             }
         }
     }
 
     /// The row at `index` with its Merkle path, for a product whose first row is at `first`
-    /// (an attention product's with its encoding only if `values` and it was kept).
+    /// (a product kept as leaves with its encoding only if `values` and it was kept; a source
+    /// with its encoding and no path).
     fn reveal(
         &self,
         point: Point,
@@ -76,12 +84,24 @@ impl Kept {
                 };
                 (acc.cols, leaves, encoding)
             }
+            Kept::Source(acc) => {
+                if index >= acc.rows {
+                    return None;
+                }
+                return Some(RevealedRow {
+                    point,
+                    cols: acc.cols as u32,
+                    encoding: row_encoding(acc, index),
+                    root: Commitment::default(),
+                    path: Vec::new(),
+                });
+            }
             Kept::Leaves { cols, leaves, rows } => {
                 if index >= leaves.len() {
                     return None;
                 }
                 let encoding = match values {
-                    true => f32_row_bytes(rows.get(index)?),
+                    true => rows.get(index)?.clone(),
                     false => Vec::new(),
                 };
                 (*cols, leaves.clone(), encoding)
@@ -180,7 +200,7 @@ impl KeptLayer {
         match self.products.get_mut(at) {
             Some((_, Kept::Gemm(p))) => p.leaves = leaves,
             Some((_, Kept::Leaves { leaves: l, .. })) => *l = leaves,
-            None => {}
+            Some((_, Kept::Source(_))) | None => {}
         }
     }
 }
@@ -283,13 +303,8 @@ impl KeptHop {
                     .iter()
                     .filter(|(p, _)| needs.rows.contains(*p))
                     .map(move |(p, k)| {
-                        k.reveal(
-                            *p,
-                            first,
-                            index,
-                            *p == Point::Context && needs.context_values,
-                        )
-                        .ok_or("a kept product is short")
+                        k.reveal(*p, first, index, needs.values(*p))
+                            .ok_or("a kept product is short")
                     })
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
@@ -332,6 +347,8 @@ pub struct Needs {
     pub rows: CheckSet,
     /// Whether the context row carries its values (the output projection's input).
     pub context_values: bool,
+    /// Whether the MLP's hidden row carries its values (the down projection's input).
+    pub hidden_values: bool,
     /// Whether the activations entering the layer are needed (the first products' input, the
     /// residuals).
     pub input: bool,
@@ -339,43 +356,76 @@ pub struct Needs {
     pub next: bool,
 }
 
+impl Needs {
+    /// Whether the revealed row of `point` carries its values (a weight product's always do;
+    /// the context's and the hidden row's only when a check takes them as the next product's
+    /// input).
+    pub fn values(&self, point: Point) -> bool {
+        match point {
+            Point::Context => self.context_values,
+            Point::Hidden => self.hidden_values,
+            _ => true,
+        }
+    }
+}
+
+/// The MLP's first products: their rows commit only through the hidden row made of them.
+const MLP_FIRST: CheckSet =
+    CheckSet(1 << Point::Gate as u16 | 1 << Point::Up as u16 | 1 << Point::Fc as u16);
+
+/// The parts a check of `checks` tests: the drawn ones, and with either of the SwiGLU MLP's
+/// first products both of them. Their rows are committed together, as the hidden row
+/// `silu(gate) · up` makes, so a check of one takes the other as its source: were that source
+/// untested, a stage lying in it could reveal a made-up row of the drawn one's partner that,
+/// with the true drawn row, still makes the committed hidden row.
+pub fn tested_parts(checks: CheckSet) -> CheckSet {
+    let swiglu = CheckSet::of(&[Point::Gate, Point::Up]);
+    match checks.intersection(swiglu).is_empty() {
+        true => checks,
+        false => checks.union(swiglu),
+    }
+}
+
 /// What a check of `checks` needs revealed. A tested weight product needs its own row and the
 /// rows its input is made from: q, k and v the layer's input; the output projection the
 /// attention context (taken as committed unless the attention is recomputed); the MLP's first
-/// products the layer's input and the output projection; the down projection the MLP's first
-/// products. The attention needs q, k and v and both attention rows' openings; the layer's
-/// output needs its input, the output and down projections and the activations leaving it.
+/// products (both of a pair, [`tested_parts`]) the layer's input, the output projection and the
+/// hidden row's opening (the row they make must be the committed one); the down projection the
+/// committed hidden row, with its values, unless the first products are tested and make it.
+/// The attention (either of its products: the scores commit through the context they make)
+/// needs q, k and v and the context row's opening; the layer's output needs
+/// its input, the output and down projections and the activations leaving it.
 pub fn rows_needed(checks: CheckSet) -> Needs {
     use Point::*;
+    let checks = tested_parts(checks);
     let weights = CheckSet::of(&[Q, K, V, O, Gate, Up, Fc, Down]);
-    let mlp_in = CheckSet::of(&[Gate, Up, Fc]);
-    let takes_mlp_in = !checks.intersection(mlp_in).is_empty();
+    let first_tested = !checks.intersection(MLP_FIRST).is_empty();
     let mut rows = checks.intersection(weights);
-    // The context is recomputed only when it is drawn; otherwise, when the output projection
-    // is tested, its committed row (with values) is its input.
-    let context_values = checks.contains(O) && !checks.contains(Context);
+    // The context is recomputed only when the attention is drawn (and opens the committed
+    // row); otherwise, when the output projection is tested, its committed row (with values)
+    // is its input. Likewise the hidden row for the down projection.
+    let context_values = checks.contains(O) && !checks.attention();
+    let hidden_values = checks.contains(Down) && !first_tested;
     if checks.attention() {
-        rows = rows.union(CheckSet::of(&[Q, K, V, Scores]));
+        rows = rows.union(CheckSet::of(&[Q, K, V]));
     }
-    if checks.contains(Context) {
+    if checks.attention() || context_values {
         rows = rows.with(Context);
     }
-    if context_values {
-        rows = rows.with(Context);
-    }
-    if takes_mlp_in || checks.contains(Output) {
+    if first_tested || checks.contains(Output) {
         rows = rows.with(O);
     }
-    if checks.contains(Down) {
-        rows = rows.union(mlp_in);
+    if first_tested || hidden_values {
+        rows = rows.with(Hidden);
     }
     if checks.contains(Output) {
         rows = rows.with(Down);
     }
-    let input = [Q, K, V, Output].iter().any(|&p| checks.contains(p)) || takes_mlp_in;
+    let input = [Q, K, V, Output].iter().any(|&p| checks.contains(p)) || first_tested;
     Needs {
         rows,
         context_values,
+        hidden_values,
         input,
         next: checks.contains(Output),
     }
@@ -562,6 +612,25 @@ impl LayerChecker {
             return Err("nothing to check".into());
         }
         let needs = rows_needed(checks);
+        let weights = CheckSet::of(&[
+            Point::Q,
+            Point::K,
+            Point::V,
+            Point::O,
+            Point::Gate,
+            Point::Up,
+            Point::Fc,
+            Point::Down,
+        ]);
+        let has = self.products.iter().map(|(p, _, _)| *p);
+        let lacks = checks
+            .intersection(weights)
+            .difference(has.fold(CheckSet::EMPTY, CheckSet::with));
+        if !lacks.is_empty() {
+            return Err(format!(
+                "layer {l}: a drawn part is not one of this layer's products, so it is not tested"
+            ));
+        }
         if reveal.layer != l {
             return Err(format!("layer {} revealed for layer {l}", reveal.layer));
         }
@@ -663,12 +732,22 @@ impl LayerChecker {
         } = hop;
         let index = pos - trace.from;
         let needs = rows_needed(checks);
-        let (needed, context_values) = (needs.rows, needs.context_values);
+        let needed = needs.rows;
+        let tests = tested_parts(checks);
+        let the_row = |point: Point| {
+            let mut found = product_rows.iter().filter(|r| r.point == point);
+            match (found.next(), found.next()) {
+                (Some(row), None) => Ok(row),
+                _ => Err(format!("layer {l}: not exactly one {point:?} row revealed")),
+            }
+        };
         // Every product the checks need, once, opened against its commitment; the attention
-        // products' rows are recomputed, so only their openings are taken here (but for the
-        // context's values when they are the output projection's input).
+        // products' rows and the MLP's hidden row are recomputed, so only their openings are
+        // taken here (but for the context's values when they are the output projection's
+        // input, and the hidden row's when they are the down projection's).
         let mut values = Vec::new();
-        let mut attention = Vec::new();
+        let mut attention = None;
+        let mut hidden = None;
         for e in trace.entries.iter().filter(|e| e.layer == l) {
             if matches!(e.point, Point::Input | Point::Output | Point::KvCache)
                 || !needed.contains(e.point)
@@ -676,19 +755,13 @@ impl LayerChecker {
                 continue;
             }
             let cols = match e.point {
-                Point::Scores => cfg.num_heads,
                 Point::Context => cfg.q_width(),
+                Point::Hidden => cfg.intermediate_size,
                 p => self.key(p).map(|(k, _)| k.cols()).ok_or_else(|| {
                     format!("layer {l}: the trace commits a {p:?} product this layer lacks")
                 })?,
             };
-            let mut found = product_rows.iter().filter(|r| r.point == e.point);
-            let (Some(row), None) = (found.next(), found.next()) else {
-                return Err(format!(
-                    "layer {l}: not exactly one {:?} row revealed",
-                    e.point
-                ));
-            };
+            let row = the_row(e.point)?;
             let opening = Opening {
                 commitment: &e.commitment,
                 rows,
@@ -699,17 +772,32 @@ impl LayerChecker {
                 root: &row.root,
                 path: &row.path,
             };
-            let takes_values = e.point == Point::Context && context_values;
-            if matches!(e.point, Point::Scores | Point::Context) && !takes_values {
-                attention.push((e.point, opening));
-                continue;
-            }
             let opens = || {
                 format!(
                     "layer {l}: the {:?} row at position {pos} does not open its commitment",
                     e.point
                 )
             };
+            if e.point == Point::Hidden {
+                hidden = Some(match needs.hidden_values {
+                    // The down projection's input as committed.
+                    true => {
+                        let decoded = QuantizedRows::decode_row(&row.encoding, cols)
+                            .map_err(|why| format!("layer {l}: the hidden row: {why}"))?;
+                        let leaf = quantized_row_leaf(pos, cols, &row.encoding);
+                        if row.cols as usize != cols || !opening.holds_for(&leaf) {
+                            return Err(opens());
+                        }
+                        HiddenRow::Revealed(decoded)
+                    }
+                    false => HiddenRow::Opening(opening),
+                });
+                continue;
+            }
+            if e.point == Point::Context && !needs.context_values {
+                attention = Some(opening);
+                continue;
+            }
             if row.cols as usize != cols {
                 return Err(opens());
             }
@@ -739,14 +827,40 @@ impl LayerChecker {
                 residues: decoded.residues,
             });
         }
+        // The MLP's first products, which have no commitment of their own: each tested (its
+        // row then made into the hidden row, which must open the committed one).
+        for &(point, ref key, _) in &self.products {
+            if point.output_committed() || !needed.contains(point) {
+                continue;
+            }
+            let row = the_row(point)?;
+            let want = Decode {
+                residues: tests.contains(point),
+                rounded: true,
+            };
+            if row.cols as usize != key.cols() {
+                return Err(format!(
+                    "layer {l}: the {point:?} row has {} values",
+                    row.cols
+                ));
+            }
+            let decoded = decode_for_check(&row.encoding, key.cols(), want)
+                .map_err(|why| format!("layer {l}: the {point:?} row: {why}"))?;
+            values.push(RevealedValues {
+                point,
+                rounded: decoded.rounded,
+                residues: decoded.residues,
+            });
+        }
         // Every row the checks need that the layer has was committed and revealed.
         let found = values
             .iter()
             .map(|v| v.point)
-            .chain(attention.iter().map(|(p, _)| *p))
+            .chain(attention.as_ref().map(|_| Point::Context))
+            .chain(hidden.as_ref().map(|_| Point::Hidden))
             .fold(CheckSet::EMPTY, CheckSet::with);
         let has = self.products.iter().map(|(p, _, _)| *p).fold(
-            CheckSet::of(&[Point::Scores, Point::Context]),
+            CheckSet::of(&[Point::Context, Point::Hidden]),
             CheckSet::with,
         );
         if found != needed.intersection(has) {
@@ -754,9 +868,9 @@ impl LayerChecker {
                 "layer {l}: the trace or the reveal lacks a row the check needs"
             ));
         }
-        if product_rows.len() != values.len() + attention.len()
-            || attention.len()
-                != checks.attention() as usize + checks.contains(Point::Context) as usize
+        if product_rows.len()
+            != values.len() + attention.is_some() as usize + hidden.is_some() as usize
+            || attention.is_some() != checks.attention()
         {
             return Err(format!(
                 "layer {l}: rows revealed that the trace does not commit or the check does \
@@ -773,10 +887,17 @@ impl LayerChecker {
             mlp_norm: &self.mlp_norm,
             gelu: self.gelu,
         };
+        // The hidden row is tested too when the first products are: what they make must be it.
+        let tests = match tests.intersection(MLP_FIRST).is_empty() {
+            true => tests,
+            false => tests.with(Point::Hidden),
+        };
         let mut revealed = Revealed {
             checker: self,
-            checks,
+            tests,
+            position: pos,
             values,
+            hidden,
             cache,
             cache_row,
             shape: AttentionShape {
@@ -785,7 +906,7 @@ impl LayerChecker {
                 head_dim: cfg.head_dim,
                 window: cfg.sliding_window,
             },
-            attention,
+            context: attention,
             tested: CheckSet::EMPTY,
         };
         let y = model
@@ -961,23 +1082,36 @@ fn hop_rows(
 }
 
 /// The checker's products: revealed rows, each weight product tested by Freivalds; the
-/// attention recomputed on the revealed cache.
+/// attention recomputed on the revealed cache; the MLP's hidden row made of its tested first
+/// products and compared with the committed one.
 struct Revealed<'a, 'c> {
     checker: &'a LayerChecker,
-    /// What is tested; a product outside it is only supplied (from its revealed row when some
+    /// What is tested ([`tested_parts`] of the drawn parts, and the hidden row with the first
+    /// products); a product outside it is only supplied (from its revealed row when some
     /// tested part needs it, as zeros otherwise: nothing tested depends on those).
-    checks: CheckSet,
+    tests: CheckSet,
+    /// The checked row's position.
+    position: usize,
     values: Vec<RevealedValues>,
+    /// The MLP's hidden row, when the check needs it.
+    hidden: Option<HiddenRow<'a>>,
     /// The revealed cache of the positions before the checked one.
     cache: &'c mut LayerCache,
     /// The revealed cache row of the checked position.
     cache_row: &'a [u8],
     shape: AttentionShape,
-    /// The openings of both attention products' rows (their leaves are recomputed).
-    attention: Vec<(Point, Opening<'a>)>,
+    /// The opening of the context's row when the attention is recomputed (its leaf is).
+    context: Option<Opening<'a>>,
     /// The drawn parts tested so far: once every one is (and the output is not drawn),
     /// nothing the rest of the block computes is needed.
     tested: CheckSet,
+}
+
+/// The committed MLP hidden row a check needs: its opening, to test the row the tested first
+/// products make, or the row itself (opened), as the down projection's input.
+enum HiddenRow<'a> {
+    Opening(Opening<'a>),
+    Revealed(QuantizedRows),
 }
 
 /// A revealed row of a product the check needs, opened against the commitment: its values
@@ -1022,13 +1156,13 @@ impl Products for Revealed<'_, '_> {
             .key(point)
             .ok_or_else(|| ModelError::Input(format!("layer {layer} has no {point:?} product")))?;
         out.clear();
-        let tested = match self.checks.contains(point) {
+        let tested = match self.tests.contains(point) {
             true => self.tested.with(point),
             false => self.tested,
         };
-        let needed_after = !self.checks.difference(tested).is_empty();
+        let needed_after = !self.tests.difference(tested).is_empty();
         let Some(row) = self.row(point) else {
-            if self.checks.contains(point) {
+            if self.tests.contains(point) {
                 return Err(ModelError::Input(format!(
                     "layer {layer}: no {point:?} row"
                 )));
@@ -1037,7 +1171,7 @@ impl Products for Revealed<'_, '_> {
             out.resize(key.cols(), 0.0);
             return Ok(());
         };
-        if self.checks.contains(point) && !key.check_residues(x, 0, &row.residues) {
+        if self.tests.contains(point) && !key.check_residues(x, 0, &row.residues) {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the {point:?} row is not its input times the weights \
                  (Freivalds' test)"
@@ -1055,14 +1189,36 @@ impl Products for Revealed<'_, '_> {
         Ok(())
     }
 
+    fn hidden(&mut self, derived: QuantizedRows) -> Result<QuantizedRows> {
+        let layer = self.checker.layer;
+        match self.hidden.take() {
+            Some(HiddenRow::Opening(opening)) => {
+                let mut bytes = Vec::new();
+                derived.encode_row(0, &mut bytes);
+                let leaf = quantized_row_leaf(self.position, derived.k(), &bytes);
+                if derived.rows() != 1 || !opening.holds_for(&leaf) {
+                    return Err(ModelError::Input(format!(
+                        "layer {layer}: the MLP's hidden row at position {} is not what its \
+                         first products give",
+                        self.position
+                    )));
+                }
+                self.tested = self.tested.with(Point::Hidden);
+                Ok(derived)
+            }
+            Some(HiddenRow::Revealed(row)) => Ok(row),
+            None => Ok(derived),
+        }
+    }
+
     fn more(&self) -> bool {
         // The output is tested after the block, so a check drawing it never stops early.
-        !self.checks.difference(self.tested).is_empty()
+        !self.tests.difference(self.tested).is_empty()
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
         let layer = self.checker.layer;
-        if !self.checks.attention() {
+        if !self.tests.attention() {
             return self.committed_context(q.len());
         }
         self.cache.append(k, v)?;
@@ -1072,24 +1228,6 @@ impl Products for Revealed<'_, '_> {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the cache row at position {start} is not the row's keys and values"
             )));
-        }
-        let differs = |point: Point| {
-            ModelError::Input(format!(
-                "layer {layer}: the {point:?} row at position {start} recomputed from the \
-                 revealed cache is not the committed one"
-            ))
-        };
-        if !self.checks.contains(Point::Context) {
-            // The scores alone: no softmax, no context (the committed context stands in for
-            // what follows, as when the attention is not drawn).
-            let leaf = score_row_leaf(self.shape, self.cache, q, start, layer)?;
-            for (point, opening) in &self.attention {
-                if !opening.holds_for(&leaf) {
-                    return Err(differs(*point));
-                }
-            }
-            self.tested = self.tested.with(Point::Scores);
-            return self.committed_context(q.len());
         }
         let mut ctx = vec![0f32; q.len()];
         let mut leaves = AttentionLeaves::default();
@@ -1103,14 +1241,13 @@ impl Products for Revealed<'_, '_> {
             Some(start),
             Some(&mut leaves),
         )?;
-        for (point, opening) in &self.attention {
-            let leaf = match point {
-                Point::Scores => &leaves.scores,
-                _ => &leaves.context,
-            };
-            if leaf.len() != 1 || !opening.holds_for(&leaf[0]) {
-                return Err(differs(*point));
-            }
+        // The scores commit through the context they make: both are tested by its opening.
+        let opens = |o: &Opening| leaves.context.len() == 1 && o.holds_for(&leaves.context[0]);
+        if !self.context.as_ref().is_some_and(opens) {
+            return Err(ModelError::Input(format!(
+                "layer {layer}: the Context row at position {start} recomputed from the \
+                 revealed cache is not the committed one"
+            )));
         }
         self.tested = self
             .tested

@@ -38,10 +38,11 @@ impl Linear {
 
     /// [`Linear::forward`], also queueing the product's committed rows (its outputs before the
     /// bias, from `(first row's position, first committed position)`) in the batch when
-    /// committing, and handing back the exact accumulators when also `keep` (a stage keeps
-    /// them to reveal rows later). Only keeping needs the exact kernel: a commitment alone
-    /// hashes what the plain product wrote. A stage queues everything a layer commits and
-    /// hashes it together (see [`LeafBatch`]).
+    /// committing, and handing back the exact accumulators when `keep` (a stage keeps them to
+    /// reveal rows later, also of a product whose rows commit only through what is computed
+    /// from them). Only keeping needs the exact kernel: a commitment alone hashes what the
+    /// plain product wrote. A stage queues everything a layer commits and hashes it together
+    /// (see [`LeafBatch`]).
     pub fn forward_queued(
         &self,
         gemm: &Gemm,
@@ -52,7 +53,7 @@ impl Linear {
     ) -> Result<Option<Accumulators>> {
         out.clear();
         out.resize(x.rows() * self.w.n(), 0.0);
-        let acc = match commit.is_some() && keep {
+        let acc = match keep {
             true => Some(gemm.matmul_exact(x, &self.w, out)?),
             false => {
                 gemm.matmul(x, &self.w, out)?;

@@ -1,9 +1,12 @@
 //! Hop commitments are part of the wire contract: a stage's trace root for a given model and
 //! input must never change, whatever kernel, thread count or code path computes it. Any change
-//! of bytes fails. The pins are protocol 5's, where a product's row leaf hashes its f32
-//! outputs (they replaced protocol 4's, whose leaves hashed the exact accumulators' encodings;
-//! those, for the traces without `KvCache` entries, had been computed by the original
-//! byte-by-byte commitment code, and adding the cache entries had changed no other one).
+//! of bytes fails. The pins are protocol 6's, where the MLP's first products commit through
+//! its hidden row as the down projection takes it, quantised (`Point::Hidden`), the attention
+//! scores through the context, and every other product's row leaf hashes its f32 outputs. They replaced protocol 5's (the first products'
+//! own f32 rows), which had replaced protocol 4's (leaves over the exact accumulators'
+//! encodings; those, for the traces without `KvCache` entries, had been computed by the
+//! original byte-by-byte commitment code, and adding the cache entries had changed no other
+//! one).
 
 #![allow(clippy::unwrap_used)] // test: a panic is the failure report
 
@@ -58,45 +61,45 @@ const PINNED: [(&str, [&str; 6]); 4] = [
     (
         "gpt2",
         [
-            "bed28e46a2e933367cb308f65c938e345b5690e9239d833cd400d73f8f14668c",
-            "6cbbaeb97848cd5d106dfcfc4ccb2abee55c429287e65c0d28ce4463d9118d2a",
-            "e380c81ed006005627259886f9bb4aba0af4c827b2718f1e917ccf6b76921ffb",
-            "b4847bcefcceec59cf0bdac3d1f58d9f71395c9721259bb90939388dea0048a3",
-            "8f93d323768d709c064c6466806fd537eaeceef658d82a928ab5921d9959d2c6",
-            "2232d43bf8474cfd75d98993df15c01b6bde659eea1ec9acc4cece941e9b2e09",
+            "33838ba805209bf536c9189858904f8cbe33bf7849f2f6bcb43171ce27bcf202",
+            "f3af960f77e843299be18ae0c80acee621be8b46c2d91769e2d101615b5c5b93",
+            "4ef92f569d3c38ab192ac499ebfdcfce831b8b5b35b8ce366b7178d1d6522336",
+            "1418b9703c7d91bf1bf9a5dbcff054645507bcdf2cb66fe8d73b81027c2a37bc",
+            "b2335375daea139d6f55fdb8c79acf3e1fede9aa1902a2a5c59968f2ea3ad230",
+            "a9162e6c2e2ae9ef346e4c93a8706732eafc009a2aded3b5a1cd3474455f6eb9",
         ],
     ),
     (
         "llama",
         [
-            "3cd9ea38d966946d65340aaecbad6a4cfc8855cb4170eb3c011b60f4212adb6b",
-            "5fb7256eb5d03ca76c3a71b73bcc10cd863565576b8c76af1aad411108b9da06",
-            "fc5d731ff0c3ae8660d0816ad027f03e454ac0e03be0481fbd52ece3d985fc1b",
-            "62410fdb2b49681770e205b42bbbf0a52dd39b3c83a1d14c08b6a201e17bed24",
-            "9d226ceac87e9a35d4f2c19e9083c473390b0460f3b2b73bea6c202deb879c67",
-            "fcad8065a04186f7ecd933d498e8a096f8511524b56a45638a4da475013d05d5",
+            "4a4de05d737a168884d1be97a1c751d19d0aa0b29fc4c4a17c6fb2b5779d0dc0",
+            "64a4f934a1a8cbfa9ed10a9735b1c898f2e8b69a156c302f6e374831e29411da",
+            "d75d5b5dca3c31cbe717d00a9ff6045f34e968325df9afb3660e76145fad0527",
+            "642b92365490a0597b33600b3f552912994a3e7d4f2ddcdd25e5af3c644961f7",
+            "2ce4ae0154bc717e4bc7418f6aa87d4d82f243143a844d65d2c71b8eaeef310d",
+            "245908558af9e5998bd34c8e9ddbc8f77f0e98f94c7fb69345f83c9684588340",
         ],
     ),
     (
         "qwen2",
         [
-            "36a8b3f5685ff7ee84a3126bf0b1e45db5d7ee058bec95d6e81ad5ef9d26e5e7",
-            "c876386e5582e0713f9c46d0101aee2ac7746fb9e5f7d607d685e682e8500cc8",
-            "cfb0b083690a8ec780fc609396e29113a2fdcc7dbca03f043f2182605740ed60",
-            "c6581ffeaa19d58742948998c49f07f1547e16d60ab7cd7a89288329947fee35",
-            "6e5df306b68cb98eb07891992d4042db190017f30c0e732274ba1fc86d3b331c",
-            "624970f2ec99c65ce05c82295b872956548dfcdc777426a2cfc7cc9d34f3010b",
+            "0343563433a3e728114cab3debbc90170657cbc77ee8cb840f16d0ca2d91ad1a",
+            "48f6d48987e28a980cf6e3ec168d781b03102785877736ffbbf13562b017cc0b",
+            "b5cd41011d671a5cd6b52f86ee16a0d5653cdfb5a735e7ccac06297dc0a83157",
+            "0ed575bcba3b3fbe58bd2ce6ed2244418e6a401072514455cabd34b9196591cc",
+            "e9608a909e1abea893dd0f0f4b331ec6aabab74a478f196e88eaa45afc21e7d7",
+            "ee609d1b5bed09f061a23f4884b626ab76e7b37e56dd2a03fa9a34ce5acb37df",
         ],
     ),
     (
         "mistral",
         [
-            "adbe39fa1a7e35952426d8175d4ab8c25a3b8e0cabbf3cd10b10225b6d85c202",
-            "a0b5a66e91ebba62e9e4b379abdc5820dc97ab933a28c886cbb6e352a86ee788",
-            "eb9df902d82a36cc79d6e991ac0f0d391ebaf2da429633ff566e7e8d9d826ac6",
-            "f042a7dc90fccff3ef48964c25b5527c0c6d167212369a14287bd1e6d86903fe",
-            "5f89702a32aa65bd83ae144327426208815c2484e6b8eedda53b3953f8cbddad",
-            "b4b1bf8d5d772abd34e3b97618b97b78c86f9f88b43a15631ea6ef6c103322f5",
+            "18489f78c36c044d83e284fb212487136cd6c806336dc9d8b7fe505f0d4c5a39",
+            "8dd5d76e529a0b7bb6cfa2849929564a532d5a34ea7cf9b78d4a6079ee351328",
+            "8caa450dff541a4a51b875b9885a11347857afe431fac01833358848c029f77e",
+            "2fc51ddd19baeaa0fd673ac78e42ed766fd4cd2f2bf7bdf1113044b92018f2ea",
+            "228bea349d75e87178422d41b76a7d44f7acf39311bfc3247d52ede0da4c1b68",
+            "50ef53d4b3a963e152fe661fdb06a5ff1f8b96cbf79af2504b3b5f4fcdfcf64d",
         ],
     ),
 ];

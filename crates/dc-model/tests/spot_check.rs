@@ -289,6 +289,45 @@ fn lies_in_a_reveal_are_refused() {
         let points: Vec<Point> = honest.rows.iter().map(|r| r.point).collect();
         for point in points {
             let (mut t, mut r) = (trace.clone(), honest.clone());
+            if point == Point::Hidden {
+                // A hidden row other than the one the first products make, committed
+                // consistently.
+                let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
+                row.root = product_row_leaf(pos, &[7.0]);
+                let (cols, root) = (row.cols as usize, row.root);
+                set(&mut t, c.layer(), point, gemm_commitment(1, cols, &root));
+                let err = c
+                    .check(
+                        &model,
+                        &with_trace(&view, &t),
+                        &empty(&model),
+                        &r,
+                        every(&model),
+                    )
+                    .unwrap_err();
+                assert!(
+                    err.contains("not what its first products give"),
+                    "{name}: {err}"
+                );
+                continue;
+            }
+            if !point.output_committed() {
+                // A lie about one of the MLP's first products (no commitment of its own: the
+                // hidden row made of it is the stage's): wrong in one value by two units in
+                // the last place.
+                let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
+                let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
+                let i = values.iter().position(|v| !v.is_zero()).unwrap();
+                if let Exact::Small { mant, exp } = values[i] {
+                    values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
+                }
+                row.encoding = values_encoding(&values);
+                let err = c
+                    .check(&model, &view, &empty(&model), &r, every(&model))
+                    .unwrap_err();
+                assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
+                continue;
+            }
             if matches!(point, Point::Scores | Point::Context) {
                 // An attention row other than the recomputed one, committed consistently.
                 let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
@@ -509,17 +548,36 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
                 // Exactly the rows the parts need, the context's values only as the output
                 // projection's input, the cache only for the attention.
                 let needs = rows_needed(checks);
-                let (needed, values) = (needs.rows, needs.context_values);
+                let needed = needs.rows;
                 // Activations only when needed.
                 assert_eq!(r.input.data.is_empty(), !needs.input, "{name} {checks:?}");
                 assert_eq!(r.next.data.is_empty(), !needs.next, "{name} {checks:?}");
                 let got = CheckSet::of(&r.rows.iter().map(|x| x.point).collect::<Vec<_>>());
-                let has = CheckSet::of(&parts);
+                let has = CheckSet::of(&parts).with(Point::Hidden);
                 assert_eq!(got, needed.intersection(has), "{name} {checks:?}");
+                // Either of the SwiGLU MLP's first products reveals (and tests) both; the down
+                // projection takes the committed hidden row unless they make it.
+                let swiglu = CheckSet::of(&[Point::Gate, Point::Up]);
+                if !checks.intersection(swiglu).is_empty() && has.contains(Point::Gate) {
+                    assert_eq!(got.intersection(swiglu), swiglu, "{name} {checks:?}");
+                }
+                assert_eq!(
+                    needs.hidden_values,
+                    checks.contains(Point::Down)
+                        && [Point::Gate, Point::Up, Point::Fc]
+                            .iter()
+                            .all(|&p| !checks.contains(p)),
+                    "{name} {checks:?}"
+                );
                 for x in &r.rows {
                     let carries = !x.encoding.is_empty();
-                    let wants = !matches!(x.point, Point::Scores | Point::Context)
-                        || (x.point == Point::Context && values);
+                    let wants = match x.point {
+                        // As the output projection's input, when the attention is not
+                        // recomputed.
+                        Point::Context => checks.contains(Point::O) && !checks.attention(),
+                        Point::Hidden => needs.hidden_values,
+                        _ => true,
+                    };
                     assert_eq!(carries, wants, "{name} {checks:?} {:?}", x.point);
                 }
                 assert_eq!(r.cache.is_empty(), !checks.attention(), "{name} {checks:?}");
@@ -620,11 +678,18 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
             let (mut t, mut r) = (trace.clone(), honest.clone());
             let want = match part {
                 Point::Scores | Point::Context => {
-                    // An attention row other than the recomputed one, committed consistently.
-                    let row = r.rows.iter_mut().find(|x| x.point == part).unwrap();
+                    // A context row other than the recomputed one (what wrong scores or a
+                    // wrong context make), committed consistently.
+                    let row = r.rows.iter_mut().find(|x| x.point == Point::Context);
+                    let row = row.unwrap();
                     row.root = product_row_leaf(pos, &[7.0]);
                     let (cols, root) = (row.cols as usize, row.root);
-                    set(&mut t, c.layer(), part, gemm_commitment(1, cols, &root));
+                    set(
+                        &mut t,
+                        c.layer(),
+                        Point::Context,
+                        gemm_commitment(1, cols, &root),
+                    );
                     "recomputed from the revealed cache"
                 }
                 Point::Output => {
@@ -641,14 +706,18 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
                 }
                 _ => {
                     // A consistent lie about the product: wrong in one value by two units in
-                    // the last place.
-                    let row = r.rows.iter().find(|x| x.point == part).unwrap();
+                    // the last place (an MLP first product's row has no commitment of its
+                    // own to redo: the hidden row made of it is the stage's).
+                    let row = r.rows.iter_mut().find(|x| x.point == part).unwrap();
                     let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
                     let i = values.iter().position(|v| !v.is_zero()).unwrap();
                     if let Exact::Small { mant, exp } = values[i] {
                         values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
                     }
-                    recommit(&mut t, &mut r, part, &values);
+                    match part.output_committed() {
+                        true => recommit(&mut t, &mut r, part, &values),
+                        false => row.encoding = values_encoding(&values),
+                    }
                     "Freivalds"
                 }
             };
@@ -671,6 +740,84 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
             .check(&model, &view, &empty(&model), &r, checks)
             .unwrap_err();
         assert!(err.contains("does not open"), "{name}: {err}");
+        // Likewise the down projection tested alone takes the committed hidden row: one that
+        // does not open its commitment, or is not a quantised row, is refused.
+        let checks = CheckSet::of(&[Point::Down]);
+        let honest = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+        let at = honest
+            .rows
+            .iter()
+            .position(|x| x.point == Point::Hidden)
+            .unwrap();
+        let mut r = honest.clone();
+        // The first element's second bit (past the blocks' 3-byte scales).
+        let blocks = (r.rows[at].cols as usize).div_ceil(32);
+        r.rows[at].encoding[3 * blocks] ^= 2;
+        let err = c
+            .check(&model, &view, &empty(&model), &r, checks)
+            .unwrap_err();
+        assert!(err.contains("does not open"), "{name}: {err}");
+        let mut r = honest.clone();
+        r.rows[at].encoding.pop();
+        let err = c
+            .check(&model, &view, &empty(&model), &r, checks)
+            .unwrap_err();
+        assert!(err.contains("hidden row"), "{name}: {err}");
+        // The glue between the MLP's first products and the down projection: a stage that
+        // computes them right but commits (and computes the down projection on) another hidden
+        // row is caught by a check of any first product alone.
+        for part in [Point::Gate, Point::Up, Point::Fc] {
+            let checks = CheckSet::of(&[part]);
+            if !check_parts(&model.config).contains(&part) {
+                continue;
+            }
+            let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+            let mut t = trace.clone();
+            let row = r
+                .rows
+                .iter_mut()
+                .find(|x| x.point == Point::Hidden)
+                .unwrap();
+            row.root = product_row_leaf(pos, &[7.0]);
+            let (cols, root) = (row.cols as usize, row.root);
+            set(
+                &mut t,
+                c.layer(),
+                Point::Hidden,
+                gemm_commitment(1, cols, &root),
+            );
+            let mut v = view.clone();
+            v[1].0 = &t;
+            let err = c.check(&model, &v, &empty(&model), &r, checks).unwrap_err();
+            assert!(
+                err.contains("not what its first products give"),
+                "{name} {part:?}: {err}"
+            );
+        }
+        // Either SwiGLU first product drawn alone tests the other too: a lie in the up
+        // projection is caught by a check of the gate alone (with the up projection untested,
+        // its revealed row could be any that makes the committed hidden row with the gate's).
+        if check_parts(&model.config).contains(&Point::Gate) {
+            for (drawn, lying) in [(Point::Gate, Point::Up), (Point::Up, Point::Gate)] {
+                let checks = CheckSet::of(&[drawn]);
+                let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+                let row = r.rows.iter_mut().find(|x| x.point == lying).unwrap();
+                let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
+                let i = values.iter().position(|v| !v.is_zero()).unwrap();
+                if let Exact::Small { mant, exp } = values[i] {
+                    values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
+                }
+                row.encoding = values_encoding(&values);
+                let err = c
+                    .check(&model, &view, &empty(&model), &r, checks)
+                    .unwrap_err();
+                assert!(err.contains("Freivalds"), "{name} {drawn:?}: {err}");
+                assert!(
+                    err.contains(&format!("{lying:?}")),
+                    "{name} {drawn:?}: {err}"
+                );
+            }
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use crate::audit::{
 use crate::node::Node;
 use crate::spot;
 use crate::stage::{from_wire, serve_own_hop, to_wire};
-use crate::verify::{check_consistency, swiglu};
+use crate::verify::check_consistency;
 use crate::view::plan_route;
 
 /// Most events queued towards a slow client before the head waits for it.
@@ -143,7 +143,7 @@ async fn hop_on(
             "peer {peer}: the activations do not match its record"
         )));
     }
-    if let Err(e) = check_consistency(r, &trace, swiglu(&node.model_cfg)) {
+    if let Err(e) = check_consistency(r, &trace) {
         let proof = FraudProof {
             model_id: node.model_id,
             accused: peer.to_string(),

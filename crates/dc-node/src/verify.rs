@@ -8,23 +8,18 @@
 use std::borrow::Borrow;
 
 use dc_kernels::{Commitment, Domain, Gemm};
-use dc_model::{Activations, Arch, KvCache, Model, ModelConfig};
+use dc_model::{Activations, KvCache, Model, ModelConfig};
 use dc_types::{
     FraudProof, HopRecord, HopTrace, LayerRange, ModelId, Point, ProofKind, Signed, WireActivations,
 };
 
 use crate::stage::{from_wire, to_wire};
 
-/// Whether the model's layers use the SwiGLU MLP (the trace's per-layer points depend on it).
-pub fn swiglu(cfg: &ModelConfig) -> bool {
-    cfg.arch != Arch::Gpt2
-}
-
 /// Checks that a record and its trace agree: the trace is well formed for the record's layers,
 /// its root is the record's `gemms`, and its first input and last output are the record's.
 /// A failure here is provable from the signed record and the trace alone.
-pub fn check_consistency(record: &HopRecord, trace: &HopTrace, swiglu: bool) -> Result<(), String> {
-    if !trace.is_well_formed(record.layers, swiglu) {
+pub fn check_consistency(record: &HopRecord, trace: &HopTrace) -> Result<(), String> {
+    if !trace.is_well_formed(record.layers) {
         return Err(format!(
             "the trace is not the list of products of layers {}",
             record.layers
@@ -183,11 +178,10 @@ pub fn verify_proof(
             return Err("the records are not of one generation and layer range".into());
         }
     }
-    let sw = swiglu(cfg);
     let last = p.records.len() - 1;
     match p.kind {
         ProofKind::Inconsistent => {
-            match check_consistency(&p.records[last].body, &p.traces[last], sw) {
+            match check_consistency(&p.records[last].body, &p.traces[last]) {
                 Err(_) => Ok(()),
                 Ok(()) => Err("the accused's record agrees with its trace".into()),
             }
@@ -205,8 +199,7 @@ pub fn verify_proof(
             for (r, t) in p.records.iter().zip(&p.traces) {
                 // A record that disagrees with its own trace would be a proof by itself; here
                 // we require consistency so the comparison below means what it says.
-                check_consistency(&r.body, t, sw)
-                    .map_err(|e| format!("hop {}: {e}", r.body.step))?;
+                check_consistency(&r.body, t).map_err(|e| format!("hop {}: {e}", r.body.step))?;
             }
             let model = model.ok_or("re-running the layer needs the model's weights")?;
             let mut cache = KvCache::new(cfg, layer as usize..layer as usize + 1);

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use dc_kernels::{Gemm, Kernel};
 use dc_model::{Activations, KvCache, LoadOptions, Model};
-use dc_node::verify::{build_proof, check_consistency, find_dispute, swiglu, verify_proof};
+use dc_node::verify::{build_proof, check_consistency, find_dispute, verify_proof};
 use dc_types::{
     FraudProof, GenerationId, HopRecord, HopTrace, LayerRange, ModelId, Point, ProofKind, Signed,
 };
@@ -150,7 +150,7 @@ fn every_kind_of_lie_yields_a_proof_that_checks() {
             run_stage(&model, &key, layers, lie_at, flip)
         };
         for (r, t) in log.records.iter().zip(&log.traces) {
-            check_consistency(&r.body, t, swiglu(&model.config)).unwrap();
+            check_consistency(&r.body, t).unwrap();
         }
         let p = prove(&model, &key, layers, &log);
         assert_eq!(
@@ -241,7 +241,7 @@ fn a_record_that_contradicts_its_trace_is_a_proof_by_itself() {
     // Output changed but the trace left honest: the signed record contradicts its trace.
     let log = run_stage(&model, &key, layers, 1, |y, _| y.data[1] -= 2.0);
     let (r, t) = (&log.records[1], &log.traces[1]);
-    assert!(check_consistency(&r.body, t, true).is_err());
+    assert!(check_consistency(&r.body, t).is_err());
     let p = FraudProof {
         model_id: ModelId::default(),
         accused: key.public().to_peer_id().to_string(),

@@ -21,10 +21,13 @@ pub use wire::{decode, encode, WireError};
 /// 4: a pick reveals a layer at several consecutive rows (`RevealPick::positions`).
 /// 5: a product's row leaf hashes its f32 outputs, not its exact accumulators' encoding (a
 ///    revealed row still carries the accumulators); a revealed context row is its f32 values.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// 6: the MLP's first products commit through its hidden row as the down projection takes it,
+///    quantised (`Point::Hidden`), not their f32 outputs, and the attention scores through the
+///    context; a check of one of gate and up tests both, of either attention product both.
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an
 /// honest peer's from before an upgrade) never verifies here: replayed against a recomputation
 /// with this protocol's leaves it would otherwise look like a lie.
-pub const HOP_RECORD_KIND: &str = "hop record, protocol 5";
+pub const HOP_RECORD_KIND: &str = "hop record, protocol 6";

@@ -1,11 +1,15 @@
 //! What a stage commits to for one hop: a commitment to every exact product it ran (each GEMM's
-//! output rows, both attention products') and to the activations entering every layer, in a
-//! fixed order, under one Merkle root that goes into the signed hop record.
+//! output rows, or for a product whose output reaches nothing but one glue step, the row that
+//! step makes of it) and to the activations entering every layer, in a fixed order, under one
+//! Merkle root that goes into the signed hop record.
 //!
 //! The order is the computation's: for each layer, its input activations, then q, k, v, the
-//! rows its KV cache gained, the attention scores and context, the output projection, the MLP products; after the last layer,
+//! rows its KV cache gained, the attention context (the scores commit through it), the output
+//! projection, the MLP's hidden activations as the down projection takes them (quantised: the
+//! MLP's first products commit through them) and the down projection; after the last layer,
 //! the output activations. Two honest stages produce the same list bit for bit; the first
-//! differing entry locates a lie to one product of one layer.
+//! differing entry locates a lie to one product of one layer, or to one of the products and
+//! the glue step that one entry covers.
 
 use dc_kernels::commit::merkle_root;
 use dc_kernels::{Commitment, Domain};
@@ -22,7 +26,8 @@ pub enum Point {
     K,
     /// Value projection.
     V,
-    /// Attention scores `Q · Kᵀ`.
+    /// Attention scores `Q · Kᵀ` (a part a check draws; since protocol 6 no entry of its own:
+    /// committed through the context).
     Scores,
     /// Attention context `P' · V`.
     Context,
@@ -42,6 +47,24 @@ pub enum Point {
     /// quantised values, as attention reads them). Last in the enum so earlier points keep
     /// their numbers (they are hashed); recorded between V and the scores.
     KvCache,
+    /// The MLP's hidden activations as the down projection takes them: `silu(gate) · up` (or
+    /// GPT-2's `gelu(fc)`) quantised, one leaf per row over its blocks' scales and elements.
+    /// Since protocol 6 the MLP's first products commit only through it: their outputs reach
+    /// nothing else, and it is a quarter of their f32 bytes (half of one at 8 bits). Recorded
+    /// between the output projection and the down projection.
+    Hidden,
+}
+
+impl Point {
+    /// Whether the product's output rows are committed under an entry of their own. Since
+    /// protocol 6 two kinds are not, their outputs reaching nothing but one glue step into a
+    /// committed row: the attention scores (through the softmax into the context they make;
+    /// a check of either attention product recomputes both) and the MLP's first products
+    /// (`Gate`, `Up`, `Fc`: through the hidden row the down projection takes; a spot check of
+    /// either of a pair tests both, so no revealed row of them goes untested).
+    pub fn output_committed(self) -> bool {
+        !matches!(self, Point::Scores | Point::Gate | Point::Up | Point::Fc)
+    }
 }
 
 /// The parts of one layer a spot check tests, as a set of [`Point`]s: each weight product
@@ -176,10 +199,9 @@ impl HopTrace {
             .map(|e| e.commitment)
     }
 
-    /// Whether the entries are exactly the points an honest stage records for `layers`
-    /// (`swiglu`: Llama-family MLP; otherwise GPT-2's).
-    pub fn is_well_formed(&self, layers: crate::LayerRange, swiglu: bool) -> bool {
-        let want = expected_points(layers, swiglu);
+    /// Whether the entries are exactly the points an honest stage records for `layers`.
+    pub fn is_well_formed(&self, layers: crate::LayerRange) -> bool {
+        let want = expected_points(layers);
         want.len() == self.entries.len()
             && want
                 .iter()
@@ -196,36 +218,20 @@ impl HopTrace {
     }
 }
 
-/// The points an honest stage records for `layers`, in order.
-pub fn expected_points(layers: crate::LayerRange, swiglu: bool) -> Vec<(u32, Point)> {
-    let per_layer: &[Point] = if swiglu {
-        &[
-            Point::Input,
-            Point::Q,
-            Point::K,
-            Point::V,
-            Point::KvCache,
-            Point::Scores,
-            Point::Context,
-            Point::O,
-            Point::Gate,
-            Point::Up,
-            Point::Down,
-        ]
-    } else {
-        &[
-            Point::Input,
-            Point::Q,
-            Point::K,
-            Point::V,
-            Point::KvCache,
-            Point::Scores,
-            Point::Context,
-            Point::O,
-            Point::Fc,
-            Point::Down,
-        ]
-    };
+/// The points an honest stage records for `layers`, in order (the same for every
+/// architecture since protocol 6: the MLP's first products commit through `Hidden`).
+pub fn expected_points(layers: crate::LayerRange) -> Vec<(u32, Point)> {
+    let per_layer = [
+        Point::Input,
+        Point::Q,
+        Point::K,
+        Point::V,
+        Point::KvCache,
+        Point::Context,
+        Point::O,
+        Point::Hidden,
+        Point::Down,
+    ];
     let mut v: Vec<(u32, Point)> = (layers.start..layers.end)
         .flat_map(|l| per_layer.iter().map(move |&p| (l, p)))
         .collect();
@@ -243,7 +249,7 @@ mod tests {
     fn trace(layers: crate::LayerRange) -> HopTrace {
         HopTrace {
             from: 0,
-            entries: expected_points(layers, true)
+            entries: expected_points(layers)
                 .into_iter()
                 .enumerate()
                 .map(|(i, (layer, point))| Entry {

@@ -5,7 +5,7 @@
 use dc_kernels::elementwise::softmax;
 use dc_kernels::quant::{quantize_block, round_half_even, BLOCK, QMAX};
 
-use super::{context_outputs, pow2, scale_for_amax_f64, sum_terms, HeadScores, LayerCache};
+use super::{context_outputs, pow2, scale_for_amax_f64, sum_terms, LayerCache};
 
 /// One query head at absolute position `pos`, value by value as NUMERICS.md §2 states it.
 #[allow(clippy::too_many_arguments)]
@@ -17,7 +17,6 @@ pub(super) fn head_attention(
     window: Option<usize>,
     scale: f32,
     out: &mut [f32],
-    mut exact: Option<&mut HeadScores>,
 ) -> Result<(), String> {
     let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
     // Quantise the query head.
@@ -35,10 +34,6 @@ pub(super) fn head_attention(
     }
     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let n = pos + 1 - lo;
-    if let Some(e) = exact.as_deref_mut() {
-        // One allocation instead of a doubling per few pushes.
-        e.scores.reserve_exact(n);
-    }
     // Scores, exact per key, then the f32 scale.
     let mut scores = vec![0f32; n];
     let mut terms = Vec::with_capacity(hb);
@@ -60,9 +55,6 @@ pub(super) fn head_attention(
         }
         let dot = sum_terms(&terms)
             .ok_or_else(|| format!("score of key {j} overflows f32 at position {pos}"))?;
-        if let Some(e) = exact.as_deref_mut() {
-            e.scores.push(dot);
-        }
         *s = dot * scale;
     }
     softmax(&mut scores);
