@@ -369,9 +369,20 @@ impl Needs {
     }
 }
 
+/// Every weight product a layer may have.
+const WEIGHT_PRODUCTS: CheckSet = CheckSet::of(&[
+    Point::Q,
+    Point::K,
+    Point::V,
+    Point::O,
+    Point::Gate,
+    Point::Up,
+    Point::Fc,
+    Point::Down,
+]);
+
 /// The MLP's first products: their rows commit only through the hidden row made of them.
-const MLP_FIRST: CheckSet =
-    CheckSet(1 << Point::Gate as u16 | 1 << Point::Up as u16 | 1 << Point::Fc as u16);
+const MLP_FIRST: CheckSet = CheckSet::of(&[Point::Gate, Point::Up, Point::Fc]);
 
 /// The parts a check of `checks` tests: the drawn ones, and with either of the SwiGLU MLP's
 /// first products both of them. Their rows are committed together, as the hidden row
@@ -398,9 +409,8 @@ pub fn tested_parts(checks: CheckSet) -> CheckSet {
 pub fn rows_needed(checks: CheckSet) -> Needs {
     use Point::*;
     let checks = tested_parts(checks);
-    let weights = CheckSet::of(&[Q, K, V, O, Gate, Up, Fc, Down]);
     let first_tested = !checks.intersection(MLP_FIRST).is_empty();
-    let mut rows = checks.intersection(weights);
+    let mut rows = checks.intersection(WEIGHT_PRODUCTS);
     // The context is recomputed only when the attention is drawn (and opens the committed
     // row); otherwise, when the output projection is tested, its committed row (with values)
     // is its input. Likewise the hidden row for the down projection.
@@ -612,19 +622,9 @@ impl LayerChecker {
             return Err("nothing to check".into());
         }
         let needs = rows_needed(checks);
-        let weights = CheckSet::of(&[
-            Point::Q,
-            Point::K,
-            Point::V,
-            Point::O,
-            Point::Gate,
-            Point::Up,
-            Point::Fc,
-            Point::Down,
-        ]);
         let has = self.products.iter().map(|(p, _, _)| *p);
         let lacks = checks
-            .intersection(weights)
+            .intersection(WEIGHT_PRODUCTS)
             .difference(has.fold(CheckSet::EMPTY, CheckSet::with));
         if !lacks.is_empty() {
             return Err(format!(

@@ -250,6 +250,17 @@ fn honest_reveals_pass_for_every_layer_and_row() {
     }
 }
 
+/// The exact values encoded in `encoding` (`cols` of them), the first nonzero one wrong by two
+/// units in the last place: a lie too small to move most roundings.
+fn nudged(encoding: &[u8], cols: usize) -> Vec<Exact> {
+    let mut values = decode_row(encoding, cols).unwrap();
+    let i = values.iter().position(|v| !v.is_zero()).unwrap();
+    if let Exact::Small { mant, exp } = values[i] {
+        values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
+    }
+    values
+}
+
 /// Replaces the revealed row of `point` by `values` and re-commits it in `trace`, as a stage
 /// lying consistently about that product would (a one-row hop: the leaf is the root).
 fn recommit(trace: &mut HopTrace, reveal: &mut LayerReveal, point: Point, values: &[Exact]) {
@@ -289,38 +300,12 @@ fn lies_in_a_reveal_are_refused() {
         let points: Vec<Point> = honest.rows.iter().map(|r| r.point).collect();
         for point in points {
             let (mut t, mut r) = (trace.clone(), honest.clone());
-            if point == Point::Hidden {
-                // A hidden row other than the one the first products make, committed
-                // consistently.
-                let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
-                row.root = product_row_leaf(pos, &[7.0]);
-                let (cols, root) = (row.cols as usize, row.root);
-                set(&mut t, c.layer(), point, gemm_commitment(1, cols, &root));
-                let err = c
-                    .check(
-                        &model,
-                        &with_trace(&view, &t),
-                        &empty(&model),
-                        &r,
-                        every(&model),
-                    )
-                    .unwrap_err();
-                assert!(
-                    err.contains("not what its first products give"),
-                    "{name}: {err}"
-                );
-                continue;
-            }
             if !point.output_committed() {
                 // A lie about one of the MLP's first products (no commitment of its own: the
                 // hidden row made of it is the stage's): wrong in one value by two units in
                 // the last place.
                 let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
-                let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
-                let i = values.iter().position(|v| !v.is_zero()).unwrap();
-                if let Exact::Small { mant, exp } = values[i] {
-                    values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
-                }
+                let values = nudged(&row.encoding, row.cols as usize);
                 row.encoding = values_encoding(&values);
                 let err = c
                     .check(&model, &view, &empty(&model), &r, every(&model))
@@ -328,8 +313,9 @@ fn lies_in_a_reveal_are_refused() {
                 assert!(err.contains("Freivalds"), "{name} {point:?}: {err}");
                 continue;
             }
-            if matches!(point, Point::Scores | Point::Context) {
-                // An attention row other than the recomputed one, committed consistently.
+            if matches!(point, Point::Context | Point::Hidden) {
+                // A context row other than the recomputed one, or a hidden row other than the
+                // one the first products make, committed consistently.
                 let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
                 row.root = product_row_leaf(pos, &[7.0]);
                 let cols = row.cols as usize;
@@ -344,21 +330,17 @@ fn lies_in_a_reveal_are_refused() {
                         every(&model),
                     )
                     .unwrap_err();
-                assert!(
-                    err.contains("recomputed from the revealed cache"),
-                    "{name} {point:?}: {err}"
-                );
+                let want = match point {
+                    Point::Context => "recomputed from the revealed cache",
+                    _ => "not what its first products give",
+                };
+                assert!(err.contains(want), "{name} {point:?}: {err}");
                 continue;
             }
             // A consistent lie about one weight product: committed, opened, and wrong in one
             // value by two units in the last place.
             let row = r.rows.iter().find(|x| x.point == point).unwrap();
-            let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
-            let i = values.iter().position(|v| !v.is_zero()).unwrap();
-            values[i] = match values[i] {
-                Exact::Small { mant, exp } => Exact::from_i64(mant.wrapping_add(2), exp),
-                ref w => w.clone(),
-            };
+            let values = nudged(&row.encoding, row.cols as usize);
             recommit(&mut t, &mut r, point, &values);
             let err = c
                 .check(
@@ -709,11 +691,7 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
                     // the last place (an MLP first product's row has no commitment of its
                     // own to redo: the hidden row made of it is the stage's).
                     let row = r.rows.iter_mut().find(|x| x.point == part).unwrap();
-                    let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
-                    let i = values.iter().position(|v| !v.is_zero()).unwrap();
-                    if let Exact::Small { mant, exp } = values[i] {
-                        values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
-                    }
+                    let values = nudged(&row.encoding, row.cols as usize);
                     match part.output_committed() {
                         true => recommit(&mut t, &mut r, part, &values),
                         false => row.encoding = values_encoding(&values),
@@ -802,11 +780,7 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
                 let checks = CheckSet::of(&[drawn]);
                 let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
                 let row = r.rows.iter_mut().find(|x| x.point == lying).unwrap();
-                let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
-                let i = values.iter().position(|v| !v.is_zero()).unwrap();
-                if let Exact::Small { mant, exp } = values[i] {
-                    values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
-                }
+                let values = nudged(&row.encoding, row.cols as usize);
                 row.encoding = values_encoding(&values);
                 let err = c
                     .check(&model, &view, &empty(&model), &r, checks)
@@ -944,11 +918,7 @@ fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
         };
         let bad = at(&r, rows - 1);
         let cols = r.rows[bad].cols as usize;
-        let mut values = decode_row(&r.rows[bad].encoding, cols).unwrap();
-        let i = values.iter().position(|v| !v.is_zero()).unwrap();
-        if let Exact::Small { mant, exp } = values[i] {
-            values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
-        }
+        let values = nudged(&r.rows[bad].encoding, cols);
         r.rows[bad].encoding = values_encoding(&values);
         let leaves: Vec<_> = (0..rows)
             .map(|i| leaf_of_encoding(from + i, cols, &r.rows[at(&r, i)].encoding).unwrap())

@@ -80,12 +80,18 @@ impl CheckSet {
     pub const EMPTY: CheckSet = CheckSet(0);
 
     /// The set of `points`.
-    pub fn of(points: &[Point]) -> CheckSet {
-        points.iter().fold(CheckSet::EMPTY, |s, &p| s.with(p))
+    pub const fn of(points: &[Point]) -> CheckSet {
+        let mut set = CheckSet::EMPTY;
+        let mut i = 0;
+        while i < points.len() {
+            set = set.with(points[i]);
+            i += 1;
+        }
+        set
     }
 
     /// This set with `point` added.
-    pub fn with(self, point: Point) -> CheckSet {
+    pub const fn with(self, point: Point) -> CheckSet {
         CheckSet(self.0 | 1 << point as u16)
     }
 
