@@ -323,8 +323,9 @@ impl Products for Compute<'_> {
                 .map(|_| ());
         };
         if !point.output_committed() {
-            // The MLP's first products commit through the hidden rows made of them; a stage
-            // keeping the hop keeps their accumulators to reveal (and a check to test) them.
+            // Products that commit through the row the next glue step makes of them (k and v
+            // the cache row, the MLP's first products the hidden row); a stage keeping the hop
+            // keeps their accumulators to reveal (and a check to test) them.
             let acc = lin.forward_queued(self.gemm, x, out, None, keep)?;
             if let (Some(k), Some(acc)) = (self.keep.as_deref_mut(), acc) {
                 k.keep(point, Kept::Source(acc));
@@ -417,8 +418,9 @@ impl Products for Compute<'_> {
             )
         })?;
         let width = cfg.q_width();
+        // The cache rows are kept as leaves only: a check of k or v opens the row they make.
         for (point, cols, rows) in [
-            (Point::KvCache, row_bytes, None),
+            (Point::KvCache, row_bytes, Some(Vec::new())),
             (
                 Point::Context,
                 width,

@@ -24,7 +24,7 @@ use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
 use crate::attention::{
-    attend_committed, cache_commitment, AttentionLeaves, AttentionShape, LayerCache,
+    attend_committed, cache_commitment, cache_row_leaf, AttentionLeaves, AttentionShape, LayerCache,
 };
 use crate::error::{ModelError, Result};
 use crate::model::{Activations, Glue, KvCache, Model, Products};
@@ -362,6 +362,7 @@ impl Needs {
     /// input).
     pub fn values(&self, point: Point) -> bool {
         match point {
+            Point::KvCache => false,
             Point::Context => self.context_values,
             Point::Hidden => self.hidden_values,
             _ => true,
@@ -384,17 +385,23 @@ const WEIGHT_PRODUCTS: CheckSet = CheckSet::of(&[
 /// The MLP's first products: their rows commit only through the hidden row made of them.
 const MLP_FIRST: CheckSet = CheckSet::of(&[Point::Gate, Point::Up, Point::Fc]);
 
-/// The parts a check of `checks` tests: the drawn ones, and with either of the SwiGLU MLP's
-/// first products both of them. Their rows are committed together, as the hidden row
-/// `silu(gate) · up` makes, so a check of one takes the other as its source: were that source
-/// untested, a stage lying in it could reveal a made-up row of the drawn one's partner that,
-/// with the true drawn row, still makes the committed hidden row.
+/// The key and value projections: their rows commit only through the cache row made of them.
+const KEY_VALUE: CheckSet = CheckSet::of(&[Point::K, Point::V]);
+
+/// The parts a check of `checks` tests: the drawn ones, and with either of a pair whose rows
+/// commit together both of them — k and v (as the cache row attention reads) and the SwiGLU
+/// MLP's gate and up (as the hidden row `silu(gate) · up`). A check of one takes the other as
+/// its source: were that source untested, a stage lying in it could reveal a made-up row of
+/// the drawn one's partner that, with the true drawn row, still makes the committed row.
 pub fn tested_parts(checks: CheckSet) -> CheckSet {
-    let swiglu = CheckSet::of(&[Point::Gate, Point::Up]);
-    match checks.intersection(swiglu).is_empty() {
-        true => checks,
-        false => checks.union(swiglu),
-    }
+    [KEY_VALUE, CheckSet::of(&[Point::Gate, Point::Up])]
+        .into_iter()
+        .fold(checks, |tests, pair| {
+            match checks.intersection(pair).is_empty() {
+                true => tests,
+                false => tests.union(pair),
+            }
+        })
 }
 
 /// What a check of `checks` needs revealed. A tested weight product needs its own row and the
@@ -403,9 +410,11 @@ pub fn tested_parts(checks: CheckSet) -> CheckSet {
 /// products (both of a pair, [`tested_parts`]) the layer's input, the output projection and the
 /// hidden row's opening (the row they make must be the committed one); the down projection the
 /// committed hidden row, with its values, unless the first products are tested and make it.
-/// The attention (either of its products: the scores commit through the context they make)
-/// needs q, k and v and the context row's opening; the layer's output needs
-/// its input, the output and down projections and the activations leaving it.
+/// k and v (both of the pair) need the layer's input and, unless the attention is recomputed
+/// (which verifies the whole cache), the opening of the cache row they make. The attention
+/// (either of its products: the scores commit through the context they make) needs q, the
+/// cache rows (the row's own among them) and the context row's opening; the layer's output
+/// needs its input, the output and down projections and the activations leaving it.
 pub fn rows_needed(checks: CheckSet) -> Needs {
     use Point::*;
     let checks = tested_parts(checks);
@@ -417,7 +426,10 @@ pub fn rows_needed(checks: CheckSet) -> Needs {
     let context_values = checks.contains(O) && !checks.attention();
     let hidden_values = checks.contains(Down) && !first_tested;
     if checks.attention() {
-        rows = rows.union(CheckSet::of(&[Q, K, V]));
+        rows = rows.with(Q);
+    }
+    if !checks.intersection(KEY_VALUE).is_empty() && !checks.attention() {
+        rows = rows.with(KvCache);
     }
     if checks.attention() || context_values {
         rows = rows.with(Context);
@@ -748,13 +760,13 @@ impl LayerChecker {
         let mut values = Vec::new();
         let mut attention = None;
         let mut hidden = None;
+        let mut kv_row = None;
         for e in trace.entries.iter().filter(|e| e.layer == l) {
-            if matches!(e.point, Point::Input | Point::Output | Point::KvCache)
-                || !needed.contains(e.point)
-            {
+            if matches!(e.point, Point::Input | Point::Output) || !needed.contains(e.point) {
                 continue;
             }
             let cols = match e.point {
+                Point::KvCache => cache.row_bytes(),
                 Point::Context => cfg.q_width(),
                 Point::Hidden => cfg.intermediate_size,
                 p => self.key(p).map(|(k, _)| k.cols()).ok_or_else(|| {
@@ -778,6 +790,11 @@ impl LayerChecker {
                     e.point
                 )
             };
+            if e.point == Point::KvCache {
+                // The row k and v make is recomputed; only its opening travels.
+                kv_row = Some(opening);
+                continue;
+            }
             if e.point == Point::Hidden {
                 hidden = Some(match needs.hidden_values {
                     // The down projection's input as committed.
@@ -858,9 +875,10 @@ impl LayerChecker {
             .map(|v| v.point)
             .chain(attention.as_ref().map(|_| Point::Context))
             .chain(hidden.as_ref().map(|_| Point::Hidden))
+            .chain(kv_row.as_ref().map(|_| Point::KvCache))
             .fold(CheckSet::EMPTY, CheckSet::with);
         let has = self.products.iter().map(|(p, _, _)| *p).fold(
-            CheckSet::of(&[Point::Context, Point::Hidden]),
+            CheckSet::of(&[Point::Context, Point::Hidden, Point::KvCache]),
             CheckSet::with,
         );
         if found != needed.intersection(has) {
@@ -869,7 +887,10 @@ impl LayerChecker {
             ));
         }
         if product_rows.len()
-            != values.len() + attention.is_some() as usize + hidden.is_some() as usize
+            != values.len()
+                + attention.is_some() as usize
+                + hidden.is_some() as usize
+                + kv_row.is_some() as usize
             || attention.is_some() != checks.attention()
         {
             return Err(format!(
@@ -887,17 +908,22 @@ impl LayerChecker {
             mlp_norm: &self.mlp_norm,
             gelu: self.gelu,
         };
-        // The hidden row is tested too when the first products are: what they make must be it.
-        let tests = match tests.intersection(MLP_FIRST).is_empty() {
-            true => tests,
-            false => tests.with(Point::Hidden),
-        };
+        // The hidden row is tested too when the first products are, and the cache row when k
+        // and v are: what they make must be it.
+        let mut tests = tests;
+        if !tests.intersection(MLP_FIRST).is_empty() {
+            tests = tests.with(Point::Hidden);
+        }
+        if !tests.intersection(KEY_VALUE).is_empty() {
+            tests = tests.with(Point::KvCache);
+        }
         let mut revealed = Revealed {
             checker: self,
             tests,
             position: pos,
             values,
             hidden,
+            kv_row,
             cache,
             cache_row,
             shape: AttentionShape {
@@ -1095,6 +1121,9 @@ struct Revealed<'a, 'c> {
     values: Vec<RevealedValues>,
     /// The MLP's hidden row, when the check needs it.
     hidden: Option<HiddenRow<'a>>,
+    /// The opening of the checked position's cache row, when k and v are tested without the
+    /// attention (with it, `cache_row` is that row, verified against the commitments).
+    kv_row: Option<Opening<'a>>,
     /// The revealed cache of the positions before the checked one.
     cache: &'c mut LayerCache,
     /// The revealed cache row of the checked position.
@@ -1218,17 +1247,32 @@ impl Products for Revealed<'_, '_> {
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
         let layer = self.checker.layer;
+        if self.tests.contains(Point::KvCache) {
+            // The tested k and v must make the committed cache row: the revealed one, verified
+            // against the hops' commitments, when the attention is recomputed; otherwise the
+            // one the opening names.
+            let mut one = LayerCache::new(self.shape.kv_heads, self.shape.head_dim);
+            one.append(k, v)?;
+            let mut mine = Vec::with_capacity(one.row_bytes());
+            one.encode_row(0, &mut mine);
+            let committed = match (self.tests.attention(), &self.kv_row) {
+                (true, _) => mine == self.cache_row,
+                (false, Some(o)) => o.holds_for(&cache_row_leaf(start, &mine)),
+                (false, None) => false,
+            };
+            if !committed {
+                return Err(ModelError::Input(format!(
+                    "layer {layer}: the cache row at position {start} is not the row's keys \
+                     and values"
+                )));
+            }
+            self.tested = self.tested.with(Point::KvCache);
+        }
         if !self.tests.attention() {
             return self.committed_context(q.len());
         }
-        self.cache.append(k, v)?;
-        let mut mine = Vec::with_capacity(self.cache_row.len());
-        self.cache.encode_row(start, &mut mine);
-        if mine != self.cache_row {
-            return Err(ModelError::Input(format!(
-                "layer {layer}: the cache row at position {start} is not the row's keys and values"
-            )));
-        }
+        // The row's own keys and values as committed (k and v have no commitment of their own).
+        self.cache.extend_encoded(self.cache_row)?;
         let mut ctx = vec![0f32; q.len()];
         let mut leaves = AttentionLeaves::default();
         attend_committed(

@@ -62,10 +62,11 @@ fn replayed_traces_equal_incremental_ones() {
                 "{name}: step {s} output"
             );
         }
-        // The trace names one entry per committed row: input, q, k, v, the cache rows, the
-        // context (the scores commit through it), o, the MLP's hidden row (its first products
-        // commit through it) and its down projection; then the output.
-        assert_eq!(traces[0].entries.len(), 9 * 2 + 1, "{name}");
+        // The trace names one entry per committed row: input, q, the cache rows (k and v
+        // commit through them), the context (the scores commit through it), o, the MLP's
+        // hidden row (its first products commit through it) and its down projection; then
+        // the output.
+        assert_eq!(traces[0].entries.len(), 7 * 2 + 1, "{name}");
         // A different input changes the trace from the first entry on.
         let mut other = inputs[3].clone();
         other.data[5] += 0.25;

@@ -2,7 +2,8 @@
 //! input must never change, whatever kernel, thread count or code path computes it. Any change
 //! of bytes fails. The pins are protocol 6's, where the MLP's first products commit through
 //! its hidden row as the down projection takes it, quantised (`Point::Hidden`), the attention
-//! scores through the context, and every other product's row leaf hashes its f32 outputs. They replaced protocol 5's (the first products'
+//! scores through the context, k and v through the cache rows, and every other product's row
+//! leaf hashes its f32 outputs. They replaced protocol 5's (the first products'
 //! own f32 rows), which had replaced protocol 4's (leaves over the exact accumulators'
 //! encodings; those, for the traces without `KvCache` entries, had been computed by the
 //! original byte-by-byte commitment code, and adding the cache entries had changed no other
@@ -61,45 +62,45 @@ const PINNED: [(&str, [&str; 6]); 4] = [
     (
         "gpt2",
         [
-            "33838ba805209bf536c9189858904f8cbe33bf7849f2f6bcb43171ce27bcf202",
-            "f3af960f77e843299be18ae0c80acee621be8b46c2d91769e2d101615b5c5b93",
-            "4ef92f569d3c38ab192ac499ebfdcfce831b8b5b35b8ce366b7178d1d6522336",
-            "1418b9703c7d91bf1bf9a5dbcff054645507bcdf2cb66fe8d73b81027c2a37bc",
-            "b2335375daea139d6f55fdb8c79acf3e1fede9aa1902a2a5c59968f2ea3ad230",
-            "a9162e6c2e2ae9ef346e4c93a8706732eafc009a2aded3b5a1cd3474455f6eb9",
+            "74fbef599c63d37a89634b4fa1583f3a3fcbcd4a722e7011a9b6fa4018c9d05d",
+            "0d97445a8d05ffdb9aad2aecf4adb2d18604b90b9cf067e90025c472f8640b94",
+            "34ce49768064441b5f401b33e1b80b11b57c23eb643cc31c40907811c578e769",
+            "a0154c3fd1fe1cbff57f2b2c848d1d46b7903cbd0c46cb2fd4b573b44ba55c31",
+            "eec8640e87b7bd446b10f4fe575321e767e14fd06517d5a7c91a1c7908f8bc19",
+            "b30e0a9c2c6420c9f29cd982efd19064588c119bbdabc19dff3ad7c589926199",
         ],
     ),
     (
         "llama",
         [
-            "4a4de05d737a168884d1be97a1c751d19d0aa0b29fc4c4a17c6fb2b5779d0dc0",
-            "64a4f934a1a8cbfa9ed10a9735b1c898f2e8b69a156c302f6e374831e29411da",
-            "d75d5b5dca3c31cbe717d00a9ff6045f34e968325df9afb3660e76145fad0527",
-            "642b92365490a0597b33600b3f552912994a3e7d4f2ddcdd25e5af3c644961f7",
-            "2ce4ae0154bc717e4bc7418f6aa87d4d82f243143a844d65d2c71b8eaeef310d",
-            "245908558af9e5998bd34c8e9ddbc8f77f0e98f94c7fb69345f83c9684588340",
+            "f3d292388bf0caa1be0cf5ddda4053c60ed7cd10e7c2852e6e8caf56c3f00d74",
+            "7c3f8a218464474b595f10dcbe265543530eacd08f8f5ba64686e53665b0afeb",
+            "709d8d8f14b1d557d9e445d46ea88e614ef9a823e5ab23260249bcd7a0554f23",
+            "2873efa043c0e3fd36a1f4d4a07c4219ad3435cc86ea1511f54e5b05386b5365",
+            "204b6a6048e96dc049f0721134314e617b09c3d0f3e016d6b3535bf8db9cfa90",
+            "24a856f0d4558d19a834e24bef6e22f689916054f658e4b3576382b12b7370f0",
         ],
     ),
     (
         "qwen2",
         [
-            "0343563433a3e728114cab3debbc90170657cbc77ee8cb840f16d0ca2d91ad1a",
-            "48f6d48987e28a980cf6e3ec168d781b03102785877736ffbbf13562b017cc0b",
-            "b5cd41011d671a5cd6b52f86ee16a0d5653cdfb5a735e7ccac06297dc0a83157",
-            "0ed575bcba3b3fbe58bd2ce6ed2244418e6a401072514455cabd34b9196591cc",
-            "e9608a909e1abea893dd0f0f4b331ec6aabab74a478f196e88eaa45afc21e7d7",
-            "ee609d1b5bed09f061a23f4884b626ab76e7b37e56dd2a03fa9a34ce5acb37df",
+            "914ad698c7bd99a9121009e09fef26f24c001de12a7105e4414cf7f4389a6ba5",
+            "57ff646b644df48286842744d246e39f58fbc4062b4dd4587172f817c7972942",
+            "ca3773b664c3c03bc54d5e3017dbff4ae418cf33f928d22d1cdc22709f458d73",
+            "523b99e36f97a279d532114d27fdd04b8d90c4ee517043d6ba3371b857a3213f",
+            "75deb884cbcee3b1ef71021988a751fbde30752b80d3a4debf8272f765e317bf",
+            "35bcc4b8080eb11f5540969cfbabf0d70ed5b5494d5164d71cb958e3b84758e7",
         ],
     ),
     (
         "mistral",
         [
-            "18489f78c36c044d83e284fb212487136cd6c806336dc9d8b7fe505f0d4c5a39",
-            "8dd5d76e529a0b7bb6cfa2849929564a532d5a34ea7cf9b78d4a6079ee351328",
-            "8caa450dff541a4a51b875b9885a11347857afe431fac01833358848c029f77e",
-            "2fc51ddd19baeaa0fd673ac78e42ed766fd4cd2f2bf7bdf1113044b92018f2ea",
-            "228bea349d75e87178422d41b76a7d44f7acf39311bfc3247d52ede0da4c1b68",
-            "50ef53d4b3a963e152fe661fdb06a5ff1f8b96cbf79af2504b3b5f4fcdfcf64d",
+            "3494ffd269f9e72a52bd0e3bf4b7d894d46ae46f249326413f7754a098ec0852",
+            "0d78b12fa3ab1356938b277f7064081e77be435bc8753f2525a789bb287e7c11",
+            "d4cb343179ad319a551e9de33c6a2b36c1f89ff0ffcdba415341c2ffa35ab7d0",
+            "b51a2db62ad399ddc75f43e96b55926998acbc57c0d6f0100f31c01b66463d6d",
+            "f2c06fc76460bc463b921b7ac97b16c3198516fc3b88f85829af1c0aeb9bc745",
+            "059f278db0fee2540830a58731db11d3ed7c6684d66d987e01b8eb1b4687f5b0",
         ],
     ),
 ];

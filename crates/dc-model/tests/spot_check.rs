@@ -535,13 +535,26 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
                 assert_eq!(r.input.data.is_empty(), !needs.input, "{name} {checks:?}");
                 assert_eq!(r.next.data.is_empty(), !needs.next, "{name} {checks:?}");
                 let got = CheckSet::of(&r.rows.iter().map(|x| x.point).collect::<Vec<_>>());
-                let has = CheckSet::of(&parts).with(Point::Hidden);
+                let has = CheckSet::of(&parts)
+                    .with(Point::Hidden)
+                    .with(Point::KvCache);
                 assert_eq!(got, needed.intersection(has), "{name} {checks:?}");
                 // Either of the SwiGLU MLP's first products reveals (and tests) both; the down
-                // projection takes the committed hidden row unless they make it.
+                // projection takes the committed hidden row unless they make it. Likewise k
+                // and v, with the opening of the cache row they make unless the attention
+                // (which verifies the cache rows) is recomputed.
                 let swiglu = CheckSet::of(&[Point::Gate, Point::Up]);
                 if !checks.intersection(swiglu).is_empty() && has.contains(Point::Gate) {
                     assert_eq!(got.intersection(swiglu), swiglu, "{name} {checks:?}");
+                }
+                let kv = CheckSet::of(&[Point::K, Point::V]);
+                if !checks.intersection(kv).is_empty() {
+                    assert_eq!(got.intersection(kv), kv, "{name} {checks:?}");
+                    assert_eq!(
+                        got.contains(Point::KvCache),
+                        !checks.attention(),
+                        "{name} {checks:?}"
+                    );
                 }
                 assert_eq!(
                     needs.hidden_values,
@@ -558,6 +571,7 @@ fn partial_checks_pass_honest_reveals_and_reveal_only_what_they_need() {
                         // recomputed.
                         Point::Context => checks.contains(Point::O) && !checks.attention(),
                         Point::Hidden => needs.hidden_values,
+                        Point::KvCache => false,
                         _ => true,
                     };
                     assert_eq!(carries, wants, "{name} {checks:?} {:?}", x.point);
@@ -743,40 +757,43 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
         assert!(err.contains("hidden row"), "{name}: {err}");
         // The glue between the MLP's first products and the down projection: a stage that
         // computes them right but commits (and computes the down projection on) another hidden
-        // row is caught by a check of any first product alone.
-        for part in [Point::Gate, Point::Up, Point::Fc] {
+        // row is caught by a check of any first product alone. Likewise k and v and the cache
+        // row they make (logged and committed, so attention reads it as committed).
+        let hidden = (Point::Hidden, "not what its first products give");
+        let cache_row = (Point::KvCache, "not the row's keys and values");
+        for (part, (made, why)) in [
+            (Point::Gate, hidden),
+            (Point::Up, hidden),
+            (Point::Fc, hidden),
+            (Point::K, cache_row),
+            (Point::V, cache_row),
+        ] {
             let checks = CheckSet::of(&[part]);
             if !check_parts(&model.config).contains(&part) {
                 continue;
             }
             let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
             let mut t = trace.clone();
-            let row = r
-                .rows
-                .iter_mut()
-                .find(|x| x.point == Point::Hidden)
-                .unwrap();
+            let row = r.rows.iter_mut().find(|x| x.point == made).unwrap();
             row.root = product_row_leaf(pos, &[7.0]);
             let (cols, root) = (row.cols as usize, row.root);
-            set(
-                &mut t,
-                c.layer(),
-                Point::Hidden,
-                gemm_commitment(1, cols, &root),
-            );
+            set(&mut t, c.layer(), made, gemm_commitment(1, cols, &root));
             let mut v = view.clone();
             v[1].0 = &t;
             let err = c.check(&model, &v, &empty(&model), &r, checks).unwrap_err();
-            assert!(
-                err.contains("not what its first products give"),
-                "{name} {part:?}: {err}"
-            );
+            assert!(err.contains(why), "{name} {part:?}: {err}");
         }
-        // Either SwiGLU first product drawn alone tests the other too: a lie in the up
-        // projection is caught by a check of the gate alone (with the up projection untested,
-        // its revealed row could be any that makes the committed hidden row with the gate's).
-        if check_parts(&model.config).contains(&Point::Gate) {
-            for (drawn, lying) in [(Point::Gate, Point::Up), (Point::Up, Point::Gate)] {
+        // Either of a pair drawn alone tests the other too: a lie in the up projection is
+        // caught by a check of the gate alone (with the up projection untested, its revealed
+        // row could be any that makes the committed hidden row with the gate's); likewise k
+        // and v.
+        for (drawn, lying) in [
+            (Point::Gate, Point::Up),
+            (Point::Up, Point::Gate),
+            (Point::K, Point::V),
+            (Point::V, Point::K),
+        ] {
+            if check_parts(&model.config).contains(&drawn) {
                 let checks = CheckSet::of(&[drawn]);
                 let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
                 let row = r.rows.iter_mut().find(|x| x.point == lying).unwrap();

@@ -129,12 +129,13 @@ fn every_kind_of_lie_yields_a_proof_that_checks() {
         y.data[3] = f32::from_bits(y.data[3].to_bits() ^ (1 << 12));
         set_output(t, y);
     };
-    // A wrong product in the middle: the value projection of layer 2 committed wrongly.
+    // A wrong product in the middle: the cache row layer 2's key and value projections make,
+    // committed wrongly.
     let wrong_gemm = |_: &mut Activations, t: &mut HopTrace| {
         let e = t
             .entries
             .iter_mut()
-            .find(|e| e.layer == 2 && e.point == Point::V)
+            .find(|e| e.layer == 2 && e.point == Point::KvCache)
             .unwrap();
         e.commitment.0[0] ^= 1;
     };

@@ -22,8 +22,8 @@ pub use wire::{decode, encode, WireError};
 /// 5: a product's row leaf hashes its f32 outputs, not its exact accumulators' encoding (a
 ///    revealed row still carries the accumulators); a revealed context row is its f32 values.
 /// 6: the MLP's first products commit through its hidden row as the down projection takes it,
-///    quantised (`Point::Hidden`), not their f32 outputs, and the attention scores through the
-///    context; a check of one of gate and up tests both, of either attention product both.
+///    quantised (`Point::Hidden`), not their f32 outputs, the attention scores through the
+///    context and k and v through the cache rows; a check of one of a pair tests both.
 pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose

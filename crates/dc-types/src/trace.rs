@@ -3,8 +3,9 @@
 //! step makes of it) and to the activations entering every layer, in a fixed order, under one
 //! Merkle root that goes into the signed hop record.
 //!
-//! The order is the computation's: for each layer, its input activations, then q, k, v, the
-//! rows its KV cache gained, the attention context (the scores commit through it), the output
+//! The order is the computation's: for each layer, its input activations, then q, the rows its
+//! KV cache gained (k and v commit through them), the attention context (the scores commit
+//! through it), the output
 //! projection, the MLP's hidden activations as the down projection takes them (quantised: the
 //! MLP's first products commit through them) and the down projection; after the last layer,
 //! the output activations. Two honest stages produce the same list bit for bit; the first
@@ -57,13 +58,17 @@ pub enum Point {
 
 impl Point {
     /// Whether the product's output rows are committed under an entry of their own. Since
-    /// protocol 6 two kinds are not, their outputs reaching nothing but one glue step into a
-    /// committed row: the attention scores (through the softmax into the context they make;
-    /// a check of either attention product recomputes both) and the MLP's first products
-    /// (`Gate`, `Up`, `Fc`: through the hidden row the down projection takes; a spot check of
-    /// either of a pair tests both, so no revealed row of them goes untested).
+    /// protocol 6 three kinds are not, their outputs reaching nothing but one glue step into a
+    /// committed row: the key and value projections (through the cache row attention reads,
+    /// `KvCache`), the attention scores (through the softmax into the context they make) and
+    /// the MLP's first products (`Gate`, `Up`, `Fc`: through the hidden row the down
+    /// projection takes). A spot check of one of a pair tests both, so no revealed row of them
+    /// goes untested.
     pub fn output_committed(self) -> bool {
-        !matches!(self, Point::Scores | Point::Gate | Point::Up | Point::Fc)
+        !matches!(
+            self,
+            Point::K | Point::V | Point::Scores | Point::Gate | Point::Up | Point::Fc
+        )
     }
 }
 
@@ -230,8 +235,6 @@ pub fn expected_points(layers: crate::LayerRange) -> Vec<(u32, Point)> {
     let per_layer = [
         Point::Input,
         Point::Q,
-        Point::K,
-        Point::V,
         Point::KvCache,
         Point::Context,
         Point::O,
