@@ -35,13 +35,14 @@ pub(crate) enum Kept {
     /// A weight product's exact accumulators and its rows' leaves.
     Gemm(KeptProduct),
     /// A weight product whose rows commit only through what is made of them (the MLP's first
-    /// products, through `Hidden`): its exact accumulators, revealed with no opening.
+    /// products through `Hidden`, k and v through `KvCache`): its exact accumulators, revealed
+    /// with no opening.
     Source(Accumulators),
-    /// Only the rows' Merkle leaves (the attention products and the MLP's hidden rows: a
+    /// Only the rows' Merkle leaves (the context, the cache rows and the MLP's hidden rows: a
     /// checker recomputes their rows, so a reveal carries just the root and the path), and for
-    /// the context and the hidden rows each row's encoding (`rows`, empty for the scores: the
-    /// context's f32 values, the hidden row's quantised bytes), revealed when a check takes
-    /// the row as the next product's input instead of recomputing it.
+    /// the context and the hidden rows each row's encoding (`rows`, empty for the cache rows:
+    /// the context's f32 values, the hidden row's quantised bytes), revealed when a check
+    /// takes the row as the next product's input instead of recomputing it.
     Leaves {
         cols: usize,
         leaves: Vec<Commitment>,
@@ -250,8 +251,9 @@ impl KeptHop {
 
     /// Reveals what a check of `checks` needs of `layer` at `position` ([`rows_needed`]): the
     /// activations entering and leaving the layer (if needed: otherwise no rows), the row at
-    /// that position of each product needed (the attention products' by root and path only, but for the context's values
-    /// when they are needed), and, when the attention is recomputed, the layer's cache rows
+    /// that position of each product needed (the context, cache and hidden rows by root and
+    /// path only, but for the context's and the hidden row's values when a check takes them as
+    /// the next product's input), and, when the attention is recomputed, the layer's cache rows
     /// from `cache_from` (at most the hop's first position) to the end of the hop, from `log`.
     pub fn reveal(
         &self,
@@ -565,8 +567,9 @@ impl LayerChecker {
     /// number of rows: every revealed row opens its commitment, the revealed cache rows (from
     /// `known.len()` on: `known` holds the rows an earlier check already verified, from 0) are
     /// the ones each hop committed, every weight product passes Freivalds' test on the input
-    /// the glue derives, the row's attention recomputed on the cache opens both attention
-    /// commitments, and the layer's output at that position is what all of it gives. Returns
+    /// the glue derives, the row's attention recomputed on the cache opens the context's
+    /// commitment, the cache and hidden rows the tested pairs make open theirs, and the
+    /// layer's output at that position is what all of it gives. Returns
     /// the verified cache up to the end of the hop (for the next check of the layer); `Err`
     /// says what failed.
     pub fn check(
