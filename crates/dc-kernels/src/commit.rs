@@ -1,8 +1,8 @@
 //! Commitments (NUMERICS.md §5): blake3 with one derived key per kind of thing, Merkle trees
 //! whose leaves are a product's output rows (its exact accumulators rounded once to f32), so a
-//! checker can verify one row of a product without the rest (the MLP's hidden rows as the down
-//! projection takes them, quantised), and the canonical encoding in which a stage reveals a
-//! row's exact accumulators for a check.
+//! checker can verify one row of a product without the rest (the attention context and the
+//! MLP's hidden rows as the next product takes them, quantised), and the canonical encoding in
+//! which a stage reveals a row's exact accumulators for a check.
 //!
 //! Nothing else in the code base hashes ad hoc: every hash goes through [`Domain`].
 
@@ -81,7 +81,8 @@ pub enum Domain {
     /// One output row of a product, its f32 values (a Merkle leaf; since protocol 5).
     ProductRow,
     /// One row of activations quantised as a product takes them: its blocks' scales and
-    /// elements (a Merkle leaf; since protocol 6, the MLP's hidden row).
+    /// elements (a Merkle leaf; since protocol 6, the MLP's hidden row; since protocol 7,
+    /// the attention context too).
     QuantizedRow,
 }
 

@@ -45,31 +45,6 @@ pub fn leaf_of_encoding(
     Ok(product_row_leaf(position, &row.rounded))
 }
 
-/// A row of f32 values as little-endian bytes: how an attention context row travels when a
-/// check takes it as the output projection's input (its leaf hashes exactly these values).
-pub fn f32_row_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-/// Reads a row of `cols` f32 values from little-endian bytes. Refuses a wrong length and a
-/// value that is not finite (no product hands one on).
-pub fn decode_f32_row(bytes: &[u8], cols: usize) -> Result<Vec<f32>, String> {
-    if bytes.len() != cols.saturating_mul(4) {
-        return Err(format!(
-            "{} bytes for a row of {cols} f32 values",
-            bytes.len()
-        ));
-    }
-    let values: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-        .collect();
-    match values.iter().position(|v| !v.is_finite()) {
-        Some(c) => Err(format!("value {c} is {}", values[c])),
-        None => Ok(values),
-    }
-}
-
 /// Decodes a row of `cols` canonical encodings. Refuses short, long or malformed input.
 pub fn decode_row(bytes: &[u8], cols: usize) -> Result<Vec<Exact>, String> {
     let mut out = Vec::with_capacity(cols.min(bytes.len() / 12));
@@ -672,24 +647,6 @@ mod tests {
             decode_row(&bad, v.len()).is_err(),
             "wide marker with a mantissa"
         );
-    }
-
-    #[test]
-    fn f32_rows_read_back_and_bad_ones_are_refused() {
-        let v = [1.5f32, -0.0, f32::MIN_POSITIVE / 4.0, 3e38];
-        let bytes = f32_row_bytes(&v);
-        let back = decode_f32_row(&bytes, v.len()).unwrap();
-        assert_eq!(
-            back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
-        assert!(decode_f32_row(&bytes[..15], v.len()).is_err());
-        assert!(decode_f32_row(&bytes, v.len() + 1).is_err());
-        assert!(decode_f32_row(&bytes, usize::MAX).is_err());
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let err = decode_f32_row(&f32_row_bytes(&[0.0, bad]), 2).unwrap_err();
-            assert!(err.contains("value 1"), "{err}");
-        }
     }
 
     #[test]

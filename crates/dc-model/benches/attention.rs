@@ -1,14 +1,11 @@
 //! Time of one decode row's exact attention (SmolLM2-135M's shape: 9 query heads, 3 key/value
-//! heads of 64; Llama-2-7B's: 32 heads of 128) at several context lengths, on one thread, with
-//! and without commitments, for
+//! heads of 64; Llama-2-7B's: 32 heads of 128) at several context lengths, on one thread, for
 //! the fast kernel and the reference measured in the same run (the ratio is the figure; both
 //! give the same bits). `cargo bench -p dc-model --bench attention`.
 
 use std::time::Instant;
 
-use dc_model::attention::{
-    attend_committed_with, AttentionKernel, AttentionLeaves, AttentionShape, LayerCache,
-};
+use dc_model::attention::{attend_with, AttentionKernel, AttentionShape, LayerCache};
 
 const SHAPES: [(&str, AttentionShape); 2] = [
     (
@@ -76,25 +73,14 @@ fn measure(pool: &rayon::ThreadPool, name: &str, shape: AttentionShape) {
             .append(&values(ctx * kv, 1), &values(ctx * kv, 2))
             .expect("append");
         let q = values(qw, 3);
-        for commit in [false, true] {
+        {
             let time = |kernel| {
                 let mut out = vec![0f32; qw];
                 let samples: Vec<f64> = (0..ROUNDS)
                     .map(|_| {
-                        let mut leaves = AttentionLeaves::default();
                         let s = Instant::now();
                         pool.install(|| {
-                            attend_committed_with(
-                                kernel,
-                                shape,
-                                &cache,
-                                &q,
-                                ctx - 1,
-                                &mut out,
-                                0,
-                                commit.then_some(ctx - 1),
-                                commit.then_some(&mut leaves),
-                            )
+                            attend_with(kernel, shape, &cache, &q, ctx - 1, &mut out, 0)
                         })
                         .expect("attention");
                         s.elapsed().as_secs_f64()
@@ -110,9 +96,8 @@ fn measure(pool: &rayon::ThreadPool, name: &str, shape: AttentionShape) {
             }
             let (fast, reference) = (median(fast), median(reference));
             println!(
-                "{name} context {ctx:5}{}: fast {:8.1} µs per row ({:5.1} ns per head and key), \
+                "{name} context {ctx:5}: fast {:8.1} µs per row ({:5.1} ns per head and key), \
                  reference {:8.1} µs: {:.2}× faster",
-                if commit { " committed" } else { "          " },
                 fast * 1e6,
                 fast * 1e9 / (ctx * shape.heads) as f64,
                 reference * 1e6,

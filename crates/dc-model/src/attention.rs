@@ -9,9 +9,10 @@
 //!   and `P'` is quantised per query row in blocks aligned to absolute key positions `j / 32`.
 //!   Keys outside the causal or sliding window are exact zeros.
 //!
-//! A committing stage commits each query row's context (its f32 outputs); the scores reach
-//! nothing but the softmax that makes the context's input, so they commit through it (since
-//! protocol 6), and a check of either product recomputes both.
+//! Neither product commits here: the scores reach nothing but the softmax that makes the
+//! context's input, and the context nothing but the output projection, so both commit through
+//! the context row quantised as that projection takes it (since protocol 7, in the model's
+//! block), and a check of either product recomputes both.
 
 use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::softmax_with;
@@ -378,18 +379,7 @@ pub fn attend(
     out: &mut [f32],
     layer: usize,
 ) -> Result<()> {
-    attend_committed(shape, cache, q, start, out, layer, None, None).map(|_| ())
-}
-
-/// The Merkle leaves of the attention's committed rows (a stage keeps them to open a row later;
-/// a checker compares its own).
-#[derive(Clone, Debug, Default)]
-pub struct AttentionLeaves {
-    /// One per committed position of `P' · V`.
-    pub context: Vec<Commitment>,
-    /// Each committed row of `P' · V` (what its leaf hashes): a stage reveals it when a check
-    /// tests the output projection without the attention.
-    pub context_rows: Vec<Vec<f32>>,
+    attend_with(AttentionKernel::Fast, shape, cache, q, start, out, layer)
 }
 
 /// Per-head attention kernels. Every kernel gives the same bits (property-tested against the
@@ -404,36 +394,8 @@ pub enum AttentionKernel {
     Fast,
 }
 
-/// [`attend`], also committing to the context's rows (every head's f32 outputs, one leaf per
-/// position) for the positions from `commit_from` on, when given; `leaves` receives each
-/// committed row's leaf and values.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_committed(
-    shape: AttentionShape,
-    cache: &LayerCache,
-    q: &[f32],
-    start: usize,
-    out: &mut [f32],
-    layer: usize,
-    commit_from: Option<usize>,
-    leaves: Option<&mut AttentionLeaves>,
-) -> Result<Option<Commitment>> {
-    attend_committed_with(
-        AttentionKernel::Fast,
-        shape,
-        cache,
-        q,
-        start,
-        out,
-        layer,
-        commit_from,
-        leaves,
-    )
-}
-
-/// [`attend_committed`] with a chosen per-head kernel.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_committed_with(
+/// [`attend`] with a chosen per-head kernel.
+pub fn attend_with(
     kernel: AttentionKernel,
     shape: AttentionShape,
     cache: &LayerCache,
@@ -441,52 +403,7 @@ pub fn attend_committed_with(
     start: usize,
     out: &mut [f32],
     layer: usize,
-    commit_from: Option<usize>,
-    leaves: Option<&mut AttentionLeaves>,
-) -> Result<Option<Commitment>> {
-    let Some(from) = commit_from else {
-        attend_queued_with(kernel, shape, cache, q, start, out, layer, None, false)?;
-        return Ok(None);
-    };
-    let mut batch = LeafBatch::default();
-    let keep_rows = leaves.is_some();
-    let context_rows = attend_queued_with(
-        kernel,
-        shape,
-        cache,
-        q,
-        start,
-        out,
-        layer,
-        Some((from, &mut batch)),
-        keep_rows,
-    )?;
-    let Some((context, cl)) = batch.finish(false).into_iter().next() else {
-        unreachable!("the context queued a set");
-    };
-    if let Some(l) = leaves {
-        l.context = cl;
-        l.context_rows = context_rows;
-    }
-    Ok(Some(context))
-}
-
-/// [`attend_committed_with`] with the context's committed rows (positions from the given first
-/// on) queued in the batch as one set instead of hashed here: a stage hashes everything a
-/// layer commits together. Returns each committed row of the context when `keep_rows` (a
-/// keeping stage reveals them), otherwise nothing.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_queued_with(
-    kernel: AttentionKernel,
-    shape: AttentionShape,
-    cache: &LayerCache,
-    q: &[f32],
-    start: usize,
-    out: &mut [f32],
-    layer: usize,
-    commit: Option<(usize, &mut LeafBatch)>,
-    keep_rows: bool,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<()> {
     let (hd, heads) = (shape.head_dim, shape.heads);
     let rows = q.len() / (heads * hd);
     if start + rows > cache.len {
@@ -531,21 +448,7 @@ pub fn attend_queued_with(
             detail,
         });
     }
-    let Some((from, batch)) = commit else {
-        return Ok(Vec::new());
-    };
-    let width = heads * hd;
-    let committed = from.saturating_sub(start).min(rows)..rows;
-    for t in committed.clone() {
-        batch.product_row(start + t, &out[t * width..(t + 1) * width]);
-    }
-    batch.end_set(width);
-    Ok(match keep_rows {
-        true => committed
-            .map(|t| out[t * width..(t + 1) * width].to_vec())
-            .collect(),
-        false => Vec::new(),
-    })
+    Ok(())
 }
 
 /// Widest head the fast kernel takes, in blocks (head_dim 256); wider heads use the reference.
@@ -907,7 +810,6 @@ fn context_sum(terms: &[(i64, i32)]) -> Exact {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dc_kernels::commit::product_row_leaf;
 
     /// Block scales and sums for [`context_outputs_by_block`]. Modes: 0, exponents in steps
     /// around the grouping limit; 1, anywhere; 2, a crowd: one block, then every other one
@@ -986,18 +888,10 @@ mod tests {
         }
     }
 
-    /// A stage queues its cache rows and the context's rows in the layer's batch; hashed
-    /// together with a product's rows, every set gets the commitment and leaves the direct
-    /// functions give (`cache_commitment`, `attend_committed`), and the context rows it hands
-    /// back are the committed rows of the output.
+    /// A stage queues its cache rows in the layer's batch; hashed together with a product's
+    /// rows, the set gets the commitment and leaves the direct functions give.
     #[test]
-    fn queued_cache_and_attention_sets_commit_as_the_direct_functions() {
-        let shape = AttentionShape {
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 8,
-            window: None,
-        };
+    fn queued_cache_rows_commit_as_the_direct_functions() {
         let mut cache = LayerCache::new(2, 8);
         for p in 0..5 {
             let kv: Vec<f32> = (0..16)
@@ -1007,52 +901,18 @@ mod tests {
                 .append(&kv, &kv.iter().map(|x| x * 2.0).collect::<Vec<_>>())
                 .unwrap();
         }
-        let q: Vec<f32> = (0..3 * 32).map(|i| (i as f32 * 0.11).cos()).collect();
-        let (start, from) = (2, 3);
-        let mut want_out = vec![0f32; q.len()];
-        let mut leaves = AttentionLeaves::default();
-        let want = attend_committed(
-            shape,
-            &cache,
-            &q,
-            start,
-            &mut want_out,
-            0,
-            Some(from),
-            Some(&mut leaves),
-        )
-        .unwrap()
-        .unwrap();
+        let from = 3;
         let mut batch = LeafBatch::default();
         let product: Vec<f32> = (0..6).map(|i| i as f32).collect();
         batch.queue(&product, (2, 3), 0, 0);
         let bytes = cache.encode_rows(from..5);
         queue_cache_rows(&mut batch, from, cache.row_bytes(), &bytes);
-        let mut out = vec![0f32; q.len()];
-        let rows = attend_queued_with(
-            AttentionKernel::Fast,
-            shape,
-            &cache,
-            &q,
-            start,
-            &mut out,
-            0,
-            Some((from, &mut batch)),
-            true,
-        )
-        .unwrap();
-        assert_eq!(out, want_out);
-        assert_eq!(rows, leaves.context_rows);
-        assert_eq!(rows.len(), 2, "positions 3 and 4 committed");
         let done = batch.finish(false);
-        assert_eq!(done.len(), 3);
+        assert_eq!(done.len(), 2);
         assert_eq!(done[1].0, cache_commitment(from, cache.row_bytes(), &bytes));
-        // The leaves themselves, against paths that hash one row alone.
-        assert_eq!(leaves.context.len(), 2);
-        assert_eq!(leaves.context[0], product_row_leaf(3, &out[32..64]));
-        assert_eq!(leaves.context[1], product_row_leaf(4, &out[64..96]));
+        assert_eq!(done[1].1.len(), 2);
         assert_eq!(done[1].1[0], cache_row_leaf(3, &bytes[..cache.row_bytes()]));
-        assert_eq!(done[2], (want, leaves.context));
+        assert_eq!(done[1].1[1], cache_row_leaf(4, &bytes[cache.row_bytes()..]));
     }
 
     #[test]

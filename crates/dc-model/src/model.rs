@@ -12,11 +12,10 @@ use std::path::{Path, PathBuf};
 
 use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
-use dc_kernels::reveal::f32_row_bytes;
 use dc_kernels::{Commitment, Gemm, QuantizedRows};
 
 use crate::attention::{
-    attend_queued_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
+    attend_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -196,11 +195,12 @@ pub(crate) trait Products {
     /// The attention context (`rows × q_width`) of rows at `start..` from their projections
     /// (RoPE applied), the keys and values going into the cache first.
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>>;
-    /// The MLP's hidden rows as the down projection takes them, from `derived` (what the glue
-    /// made of the first products): a stage commits them (`Point::Hidden`); a check tests the
-    /// derived rows against the commitment when it tested the first products, and otherwise
-    /// hands on the committed rows.
-    fn hidden(&mut self, derived: QuantizedRows) -> Result<QuantizedRows>;
+    /// The rows the next product takes, quantised, from `derived` (what the glue made of the
+    /// products before it): the attention context as the output projection takes it
+    /// (`Point::Context`) or the MLP's hidden rows as the down projection does
+    /// (`Point::Hidden`). A stage commits them; a check tests the derived rows against the
+    /// commitment when it tested what made them, and otherwise hands on the committed rows.
+    fn quantized(&mut self, point: Point, derived: QuantizedRows) -> Result<QuantizedRows>;
     /// Whether the rest of the block is still wanted (a check stops once it has tested every
     /// part it drew; a stage never stops).
     fn more(&self) -> bool {
@@ -347,14 +347,15 @@ impl Products for Compute<'_> {
         Ok(())
     }
 
-    fn hidden(&mut self, derived: QuantizedRows) -> Result<QuantizedRows> {
+    fn quantized(&mut self, point: Point, derived: QuantizedRows) -> Result<QuantizedRows> {
         let Some((start, from)) = self.first else {
             return Ok(derived);
         };
         self.batch.queue_quantized(&derived, start, from);
         let k = derived.k();
-        self.queue_entry(Point::Hidden, |kept| {
-            let rows = (0..derived.rows())
+        let skip = from.saturating_sub(start).min(derived.rows());
+        self.queue_entry(point, |kept| {
+            let rows = (skip..derived.rows())
                 .map(|r| {
                     let mut bytes = Vec::new();
                     derived.encode_row(r, &mut bytes);
@@ -362,7 +363,7 @@ impl Products for Compute<'_> {
                 })
                 .collect();
             Some(kept.keep(
-                Point::Hidden,
+                point,
                 Kept::Leaves {
                     cols: k,
                     leaves: Vec::new(),
@@ -385,14 +386,14 @@ impl Products for Compute<'_> {
         };
         let (cache, index) = (&*self.cache, self.index);
         let kernel = AttentionKernel::Fast;
+        self.gemm
+            .install(|| attend_with(kernel, shape, cache, q, start, &mut ctx, index))?;
         let Some((_, from)) = self.first else {
-            self.gemm.install(|| {
-                attend_queued_with(kernel, shape, cache, q, start, &mut ctx, index, None, false)
-            })?;
             return Ok(ctx);
         };
-        // The cache rows this hop appended, then the context's rows (the scores commit through
-        // it): two sets, hashed with the layer's products (`QueuedLayer`).
+        // The cache rows this hop appended (k and v commit through them): a set hashed with
+        // the layer's products. The context commits as the output projection takes it
+        // ([`Products::quantized`]), the scores through it.
         let rows = q.len() / cfg.q_width();
         let first = from.max(start);
         let row_bytes = cache.row_bytes();
@@ -402,44 +403,17 @@ impl Products for Compute<'_> {
             row_bytes,
             &cache.encode_rows(first..start + rows),
         );
-        let keep = self.keep.is_some();
-        let batch = &mut *self.batch;
-        let context_rows = self.gemm.install(|| {
-            attend_queued_with(
-                kernel,
-                shape,
-                cache,
-                q,
-                start,
-                &mut ctx,
-                index,
-                Some((from, batch)),
-                keep,
-            )
-        })?;
-        let width = cfg.q_width();
-        // The cache rows are kept as leaves only: a check of k or v opens the row they make.
-        for (point, cols, rows) in [
-            (Point::KvCache, row_bytes, Some(Vec::new())),
-            (
-                Point::Context,
-                width,
-                Some(context_rows.iter().map(|r| f32_row_bytes(r)).collect()),
-            ),
-        ] {
-            self.queue_entry(point, |k| {
-                rows.map(|rows| {
-                    k.keep(
-                        point,
-                        Kept::Leaves {
-                            cols,
-                            leaves: Vec::new(),
-                            rows,
-                        },
-                    )
-                })
-            });
-        }
+        // Kept as leaves only: a check of k or v opens the row they make.
+        self.queue_entry(Point::KvCache, |k| {
+            Some(k.keep(
+                Point::KvCache,
+                Kept::Leaves {
+                    cols: row_bytes,
+                    leaves: Vec::new(),
+                    rows: Vec::new(),
+                },
+            ))
+        });
         Ok(ctx)
     }
 }
@@ -826,6 +800,10 @@ impl Model {
             return Ok(None);
         }
         let qc = QuantizedRows::quantize(&ctx, rows, cfg.q_width(), &name("attention context"))?;
+        let qc = products.quantized(Point::Context, qc)?;
+        if !products.more() {
+            return Ok(None);
+        }
         let mut o = Vec::new();
         products.linear(Point::O, &qc, &mut o)?;
         if !products.more() {
@@ -858,7 +836,7 @@ impl Model {
             silu_mul(&mut a, &u);
         }
         let qa = QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
-        let qa = products.hidden(qa)?;
+        let qa = products.quantized(Point::Hidden, qa)?;
         if !products.more() {
             return Ok(None);
         }

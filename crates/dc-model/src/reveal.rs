@@ -17,15 +17,11 @@ use dc_kernels::commit::{
     merkle_proof, merkle_root, product_row_leaf, quantized_row_leaf, row_leaf_at,
 };
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{
-    decode_f32_row, decode_for_check, row_encoding, CheckedRow, Decode, Opening,
-};
+use dc_kernels::reveal::{decode_for_check, row_encoding, Decode, Opening};
 use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
-use crate::attention::{
-    attend_committed, cache_commitment, cache_row_leaf, AttentionLeaves, AttentionShape, LayerCache,
-};
+use crate::attention::{attend, cache_commitment, cache_row_leaf, AttentionShape, LayerCache};
 use crate::error::{ModelError, Result};
 use crate::model::{Activations, Glue, KvCache, Model, Products};
 use crate::weights::{add_bias, KeptProduct, Mlp, Norm};
@@ -41,7 +37,7 @@ pub(crate) enum Kept {
     /// Only the rows' Merkle leaves (the context, the cache rows and the MLP's hidden rows: a
     /// checker recomputes their rows, so a reveal carries just the root and the path), and for
     /// the context and the hidden rows each row's encoding (`rows`, empty for the cache rows:
-    /// the context's f32 values, the hidden row's quantised bytes), revealed when a check
+    /// both quantised as the next product takes them), revealed when a check
     /// takes the row as the next product's input instead of recomputing it.
     Leaves {
         cols: usize,
@@ -761,7 +757,7 @@ impl LayerChecker {
         // taken here (but for the context's values when they are the output projection's
         // input, and the hidden row's when they are the down projection's).
         let mut values = Vec::new();
-        let mut attention = None;
+        let mut context = None;
         let mut hidden = None;
         let mut kv_row = None;
         for e in trace.entries.iter().filter(|e| e.layer == l) {
@@ -798,46 +794,41 @@ impl LayerChecker {
                 kv_row = Some(opening);
                 continue;
             }
-            if e.point == Point::Hidden {
-                hidden = Some(match needs.hidden_values {
-                    // The down projection's input as committed.
+            if matches!(e.point, Point::Context | Point::Hidden) {
+                let committed = match needs.values(e.point) {
+                    // The next product's input as committed.
                     true => {
+                        let what = match e.point {
+                            Point::Context => "context",
+                            _ => "hidden",
+                        };
                         let decoded = QuantizedRows::decode_row(&row.encoding, cols)
-                            .map_err(|why| format!("layer {l}: the hidden row: {why}"))?;
+                            .map_err(|why| format!("layer {l}: the {what} row: {why}"))?;
                         let leaf = quantized_row_leaf(pos, cols, &row.encoding);
                         if row.cols as usize != cols || !opening.holds_for(&leaf) {
                             return Err(opens());
                         }
-                        HiddenRow::Revealed(decoded)
+                        CommittedRow::Revealed(decoded)
                     }
-                    false => HiddenRow::Opening(opening),
-                });
-                continue;
-            }
-            if e.point == Point::Context && !needs.context_values {
-                attention = Some(opening);
+                    false => CommittedRow::Opening(opening),
+                };
+                match e.point {
+                    Point::Context => context = Some(committed),
+                    _ => hidden = Some(committed),
+                }
                 continue;
             }
             if row.cols as usize != cols {
                 return Err(opens());
             }
             // Every opened row's rounded values (its leaf hashes them, and the glue computes
-            // on them), and a tested product's residues (Freivalds). The context row travels
-            // as its f32 outputs: no accumulators stand behind it here.
-            let decoded = match e.point {
-                Point::Context => decode_f32_row(&row.encoding, cols).map(|rounded| CheckedRow {
-                    residues: Vec::new(),
-                    rounded,
-                }),
-                _ => {
-                    let want = Decode {
-                        residues: checks.contains(e.point),
-                        rounded: true,
-                    };
-                    decode_for_check(&row.encoding, cols, want)
-                }
-            }
-            .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
+            // on them), and a tested product's residues (Freivalds).
+            let want = Decode {
+                residues: checks.contains(e.point),
+                rounded: true,
+            };
+            let decoded = decode_for_check(&row.encoding, cols, want)
+                .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             if !opening.holds_for(&product_row_leaf(pos, &decoded.rounded)) {
                 return Err(opens());
             }
@@ -876,7 +867,7 @@ impl LayerChecker {
         let found = values
             .iter()
             .map(|v| v.point)
-            .chain(attention.as_ref().map(|_| Point::Context))
+            .chain(context.as_ref().map(|_| Point::Context))
             .chain(hidden.as_ref().map(|_| Point::Hidden))
             .chain(kv_row.as_ref().map(|_| Point::KvCache))
             .fold(CheckSet::EMPTY, CheckSet::with);
@@ -891,10 +882,9 @@ impl LayerChecker {
         }
         if product_rows.len()
             != values.len()
-                + attention.is_some() as usize
+                + context.is_some() as usize
                 + hidden.is_some() as usize
                 + kv_row.is_some() as usize
-            || attention.is_some() != checks.attention()
         {
             return Err(format!(
                 "layer {l}: rows revealed that the trace does not commit or the check does \
@@ -935,7 +925,7 @@ impl LayerChecker {
                 head_dim: cfg.head_dim,
                 window: cfg.sliding_window,
             },
-            context: attention,
+            context,
             tested: CheckSet::EMPTY,
         };
         let y = model
@@ -1123,7 +1113,7 @@ struct Revealed<'a, 'c> {
     position: usize,
     values: Vec<RevealedValues>,
     /// The MLP's hidden row, when the check needs it.
-    hidden: Option<HiddenRow<'a>>,
+    hidden: Option<CommittedRow<'a>>,
     /// The opening of the checked position's cache row, when k and v are tested without the
     /// attention (with it, `cache_row` is that row, verified against the commitments).
     kv_row: Option<Opening<'a>>,
@@ -1132,16 +1122,19 @@ struct Revealed<'a, 'c> {
     /// The revealed cache row of the checked position.
     cache_row: &'a [u8],
     shape: AttentionShape,
-    /// The opening of the context's row when the attention is recomputed (its leaf is).
-    context: Option<Opening<'a>>,
+    /// The context row, when the check needs it: its opening when the attention is recomputed
+    /// (the quantised row it makes must open it), the row itself as the output projection's
+    /// input otherwise.
+    context: Option<CommittedRow<'a>>,
     /// The drawn parts tested so far: once every one is (and the output is not drawn),
     /// nothing the rest of the block computes is needed.
     tested: CheckSet,
 }
 
-/// The committed MLP hidden row a check needs: its opening, to test the row the tested first
-/// products make, or the row itself (opened), as the down projection's input.
-enum HiddenRow<'a> {
+/// A committed quantised row a check needs (the attention context, the MLP's hidden row): its
+/// opening, to test the row that what it tested makes, or the row itself (opened), as the next
+/// product's input.
+enum CommittedRow<'a> {
     Opening(Opening<'a>),
     Revealed(QuantizedRows),
 }
@@ -1159,24 +1152,6 @@ impl Revealed<'_, '_> {
     /// The revealed row of `point`, if revealed.
     fn row(&self, point: Point) -> Option<&RevealedValues> {
         self.values.iter().find(|v| v.point == point)
-    }
-
-    /// The committed context row (revealed with its values, opened above) when the output
-    /// projection is tested without the context; a stand-in otherwise (nothing tested depends
-    /// on it).
-    fn committed_context(&self, width: usize) -> Result<Vec<f32>> {
-        let layer = self.checker.layer;
-        let ctx = match self.row(Point::Context) {
-            Some(row) => row.rounded.clone(),
-            None => vec![0.0; width],
-        };
-        if ctx.len() != width {
-            return Err(ModelError::Input(format!(
-                "layer {layer}: the context row has {} values, not {width}",
-                ctx.len()
-            )));
-        }
-        Ok(ctx)
     }
 }
 
@@ -1221,24 +1196,36 @@ impl Products for Revealed<'_, '_> {
         Ok(())
     }
 
-    fn hidden(&mut self, derived: QuantizedRows) -> Result<QuantizedRows> {
+    fn quantized(&mut self, point: Point, derived: QuantizedRows) -> Result<QuantizedRows> {
         let layer = self.checker.layer;
-        match self.hidden.take() {
-            Some(HiddenRow::Opening(opening)) => {
+        let (row, made_of, tested) = match point {
+            Point::Context => (
+                self.context.take(),
+                "recomputed from the revealed cache",
+                // The scores commit through the context they make: both are tested by it.
+                CheckSet::of(&[Point::Scores, Point::Context]),
+            ),
+            _ => (
+                self.hidden.take(),
+                "what its first products give",
+                CheckSet::of(&[Point::Hidden]),
+            ),
+        };
+        match row {
+            Some(CommittedRow::Opening(opening)) => {
                 let mut bytes = Vec::new();
                 derived.encode_row(0, &mut bytes);
                 let leaf = quantized_row_leaf(self.position, derived.k(), &bytes);
                 if derived.rows() != 1 || !opening.holds_for(&leaf) {
                     return Err(ModelError::Input(format!(
-                        "layer {layer}: the MLP's hidden row at position {} is not what its \
-                         first products give",
+                        "layer {layer}: the {point:?} row at position {} is not {made_of}",
                         self.position
                     )));
                 }
-                self.tested = self.tested.with(Point::Hidden);
+                self.tested = self.tested.union(tested);
                 Ok(derived)
             }
-            Some(HiddenRow::Revealed(row)) => Ok(row),
+            Some(CommittedRow::Revealed(row)) => Ok(row),
             None => Ok(derived),
         }
     }
@@ -1271,34 +1258,15 @@ impl Products for Revealed<'_, '_> {
             }
             self.tested = self.tested.with(Point::KvCache);
         }
+        let mut ctx = vec![0f32; q.len()];
         if !self.tests.attention() {
-            return self.committed_context(q.len());
+            // A stand-in: the output projection, if tested, takes the committed context row
+            // (`quantized`), and nothing else depends on it.
+            return Ok(ctx);
         }
         // The row's own keys and values as committed (k and v have no commitment of their own).
         self.cache.extend_encoded(self.cache_row)?;
-        let mut ctx = vec![0f32; q.len()];
-        let mut leaves = AttentionLeaves::default();
-        attend_committed(
-            self.shape,
-            self.cache,
-            q,
-            start,
-            &mut ctx,
-            layer,
-            Some(start),
-            Some(&mut leaves),
-        )?;
-        // The scores commit through the context they make: both are tested by its opening.
-        let opens = |o: &Opening| leaves.context.len() == 1 && o.holds_for(&leaves.context[0]);
-        if !self.context.as_ref().is_some_and(opens) {
-            return Err(ModelError::Input(format!(
-                "layer {layer}: the Context row at position {start} recomputed from the \
-                 revealed cache is not the committed one"
-            )));
-        }
-        self.tested = self
-            .tested
-            .union(CheckSet::of(&[Point::Scores, Point::Context]));
+        attend(self.shape, self.cache, q, start, &mut ctx, layer)?;
         Ok(ctx)
     }
 }

@@ -92,3 +92,52 @@ fn replayed_traces_equal_incremental_ones() {
         assert_eq!(traces[3].first_difference(&t), Some(0), "{name}");
     }
 }
+
+/// A hop hashes each layer's leaves in one of two batches taking turns, while the next layer
+/// computes, the last layer's after the loop; every entry must still be the one the layer
+/// commits alone: a hop over several layers (kept, as a stage keeps it for checks) equals as
+/// many one-layer stages, entry for entry, for prompt chunks and decode rows alike. (That the
+/// kept leaves open their entries: `spot_check`'s honest reveals of 17-row hops.)
+#[test]
+fn layer_commitments_equal_one_layer_stages() {
+    for name in TINY {
+        let model = Model::load(&fixtures().join(name), &LoadOptions::default()).unwrap();
+        let gemm = Gemm::new(Kernel::best(), 1).unwrap();
+        let ids = expected_logits(name).pop().unwrap().0;
+        let layers = model.config.num_layers;
+        let mut whole = KvCache::new(&model.config, 0..layers);
+        let mut single: Vec<KvCache> = (0..layers)
+            .map(|l| KvCache::new(&model.config, l..l + 1))
+            .collect();
+        let mut pos = 0;
+        for len in [12usize, 1, 27] {
+            let x = model.embed(&ids[pos..pos + len], pos).unwrap();
+            let mut t = HopTrace::from_position(pos);
+            let (y, _kept) = model
+                .run_layers_kept(&gemm, x.clone(), &mut whole, &mut t)
+                .unwrap();
+            let mut entries = Vec::new();
+            let mut h = x;
+            for (l, cache) in single.iter_mut().enumerate() {
+                let mut tl = HopTrace::from_position(pos);
+                h = model
+                    .run_layers_traced(&gemm, h, cache, Some(&mut tl))
+                    .unwrap();
+                let output = tl.entries.pop().unwrap();
+                assert_eq!(
+                    output.point,
+                    dc_model::trace::Point::Output,
+                    "{name}: layer {l}"
+                );
+                entries.extend(tl.entries);
+            }
+            assert_eq!(h, y, "{name}: {len} rows at {pos}");
+            assert_eq!(
+                t.entries[..t.entries.len() - 1],
+                entries,
+                "{name}: {len} rows at {pos}"
+            );
+            pos += len;
+        }
+    }
+}

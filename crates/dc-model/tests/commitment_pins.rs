@@ -1,10 +1,11 @@
 //! Hop commitments are part of the wire contract: a stage's trace root for a given model and
 //! input must never change, whatever kernel, thread count or code path computes it. Any change
-//! of bytes fails. The pins are protocol 6's, where the MLP's first products commit through
-//! its hidden row as the down projection takes it, quantised (`Point::Hidden`), the attention
+//! of bytes fails. The pins are protocol 7's, where the attention context commits as the output
+//! projection takes it, quantised, like the MLP's hidden row as the down projection takes it
+//! (`Point::Hidden`); the MLP's first products commit through the hidden row, the attention
 //! scores through the context, k and v through the cache rows, and every other product's row
-//! leaf hashes its f32 outputs. They replaced protocol 5's (the first products'
-//! own f32 rows), which had replaced protocol 4's (leaves over the exact accumulators'
+//! leaf hashes its f32 outputs. They replaced protocol 6's (the context's f32 rows), which had
+//! replaced protocol 5's (the first products' own f32 rows), which had replaced protocol 4's (leaves over the exact accumulators'
 //! encodings; those, for the traces without `KvCache` entries, had been computed by the
 //! original byte-by-byte commitment code, and adding the cache entries had changed no other
 //! one).
@@ -62,45 +63,45 @@ const PINNED: [(&str, [&str; 6]); 4] = [
     (
         "gpt2",
         [
-            "74fbef599c63d37a89634b4fa1583f3a3fcbcd4a722e7011a9b6fa4018c9d05d",
-            "0d97445a8d05ffdb9aad2aecf4adb2d18604b90b9cf067e90025c472f8640b94",
-            "34ce49768064441b5f401b33e1b80b11b57c23eb643cc31c40907811c578e769",
-            "a0154c3fd1fe1cbff57f2b2c848d1d46b7903cbd0c46cb2fd4b573b44ba55c31",
-            "eec8640e87b7bd446b10f4fe575321e767e14fd06517d5a7c91a1c7908f8bc19",
-            "b30e0a9c2c6420c9f29cd982efd19064588c119bbdabc19dff3ad7c589926199",
+            "ded40898ec58105235e639d1db0793f292dc18fc3f79d766e926a20694f80249",
+            "38f2add93208873e25cf40dfbe0bd3c44ea975d2c85decdbbda910fcc92bbf32",
+            "e14ecc2afc52508766ef4df747eb761fdd9984cb0e0e5219287e2a801406a9ff",
+            "321d42d7cedef093d8d84c5660018f949fa89e15900647532c5c9a9e6c790e6c",
+            "968a7f744fe24b5934c07e5bc8e70a7e7e69627d4a97970ac7adab368a6fbac9",
+            "e61fbe61d8204e02fcc55336b41db55fe29e808584df1491ade511e9b8d73d54",
         ],
     ),
     (
         "llama",
         [
-            "f3d292388bf0caa1be0cf5ddda4053c60ed7cd10e7c2852e6e8caf56c3f00d74",
-            "7c3f8a218464474b595f10dcbe265543530eacd08f8f5ba64686e53665b0afeb",
-            "709d8d8f14b1d557d9e445d46ea88e614ef9a823e5ab23260249bcd7a0554f23",
-            "2873efa043c0e3fd36a1f4d4a07c4219ad3435cc86ea1511f54e5b05386b5365",
-            "204b6a6048e96dc049f0721134314e617b09c3d0f3e016d6b3535bf8db9cfa90",
-            "24a856f0d4558d19a834e24bef6e22f689916054f658e4b3576382b12b7370f0",
+            "789f7d20c6bc4f8c57c75761369b83cc27da129d50527e43427cd25799b06bf5",
+            "2b9ee69f8dcfa360f493b01b77a8f43e527d0639e704a51e154e16062161abf4",
+            "56a4c7d8bbbf7340252f3623812ab127197be14b5ab989906745b16fc4aaf146",
+            "0d2d4ea2bb4caea6cd1348042db8adbe49a5a82379555fa9a56c826bd81cc464",
+            "e60dac06bc0a6aa9bcdeab06f00b39b6e1a40a1ec3984f7f72d6a6216bccf8c5",
+            "f2679e36e527e69de71bf89ddaf99c0ec996a9cc2d71e0a0bf7eaf7e43de658e",
         ],
     ),
     (
         "qwen2",
         [
-            "914ad698c7bd99a9121009e09fef26f24c001de12a7105e4414cf7f4389a6ba5",
-            "57ff646b644df48286842744d246e39f58fbc4062b4dd4587172f817c7972942",
-            "ca3773b664c3c03bc54d5e3017dbff4ae418cf33f928d22d1cdc22709f458d73",
-            "523b99e36f97a279d532114d27fdd04b8d90c4ee517043d6ba3371b857a3213f",
-            "75deb884cbcee3b1ef71021988a751fbde30752b80d3a4debf8272f765e317bf",
-            "35bcc4b8080eb11f5540969cfbabf0d70ed5b5494d5164d71cb958e3b84758e7",
+            "10d5f0926b99a8c601634060cab62eacd1259aaad658225f04b9b22b354a3673",
+            "8d38bb367bc8e6a58732da9ecca0f3e8621363b19c8c7b774bfc4270ffe7ae39",
+            "f1428b74faddd5b65e0730f17a05490ed754b0ed417fbcfa0ecff88104b5ad97",
+            "04552abe50195f0e74fc8f13adce3580054849f05241dc516415465a968410b0",
+            "093c424f6524edb98d906a8686a9b8b0ca2df4e77bcf01313568398f424d85f1",
+            "f7b3e03874ad30886760372e6002018dcb66f4c981f0f6c4711efe8587d0054e",
         ],
     ),
     (
         "mistral",
         [
-            "3494ffd269f9e72a52bd0e3bf4b7d894d46ae46f249326413f7754a098ec0852",
-            "0d78b12fa3ab1356938b277f7064081e77be435bc8753f2525a789bb287e7c11",
-            "d4cb343179ad319a551e9de33c6a2b36c1f89ff0ffcdba415341c2ffa35ab7d0",
-            "b51a2db62ad399ddc75f43e96b55926998acbc57c0d6f0100f31c01b66463d6d",
-            "f2c06fc76460bc463b921b7ac97b16c3198516fc3b88f85829af1c0aeb9bc745",
-            "059f278db0fee2540830a58731db11d3ed7c6684d66d987e01b8eb1b4687f5b0",
+            "04aaf1bef149de2988bb793bfecbc714805959c77018923147275d7e1e551176",
+            "63636c9efac09c8c0a79155f87f319b7765d2a1e4c8ba8d2d111e4edf8412fd9",
+            "7125d65b8095b43bd53a290d45b6732538581920b3b322d71b699ce6e8f04c83",
+            "903231cae61767b03fdd476655d9779dd5dddbf38aab33f343f973b21322e7b4",
+            "14e1a1f2b023bcd3185ace4a99fb325562ced83ba033ae438e12ba7dd9f8427b",
+            "eb69d8a0acb82b980822ea09730efc821ca2d448e91174081a1a0a3e70c0d766",
         ],
     ),
 ];

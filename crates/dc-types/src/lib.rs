@@ -24,10 +24,13 @@ pub use wire::{decode, encode, WireError};
 /// 6: the MLP's first products commit through its hidden row as the down projection takes it,
 ///    quantised (`Point::Hidden`), not their f32 outputs, the attention scores through the
 ///    context and k and v through the cache rows; a check of one of a pair tests both.
-pub const PROTOCOL_VERSION: u32 = 6;
+/// 7: the attention context commits as the output projection takes it, quantised (leaf
+///    `H_quantized_row`, like the hidden row), not as its f32 outputs; a revealed context row
+///    is its quantised bytes.
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an
 /// honest peer's from before an upgrade) never verifies here: replayed against a recomputation
 /// with this protocol's leaves it would otherwise look like a lie.
-pub const HOP_RECORD_KIND: &str = "hop record, protocol 6";
+pub const HOP_RECORD_KIND: &str = "hop record, protocol 7";

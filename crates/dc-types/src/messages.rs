@@ -266,7 +266,7 @@ pub struct LayerReveal {
     /// The row of each product the pick's checks need, in computation order. The attention
     /// products' rows carry no encoding (the checker recomputes them), only their root and
     /// path — except the context row when the output projection is tested without
-    /// recomputing the attention (its values are that product's input).
+    /// recomputing the attention (its quantised bytes are that product's input).
     pub rows: Vec<RevealedRow>,
     /// The layer's KV cache rows of positions `cache_from..` the end of the hop, each in its
     /// canonical encoding (`dc_model::LayerCache::encode_row`), committed hop by hop as
@@ -298,8 +298,9 @@ pub struct RevealedRow {
     /// Values in the row.
     pub cols: u32,
     /// A weight product's row: the canonical encoding of its exact accumulators (NUMERICS.md
-    /// §5; its leaf hashes their f32 roundings). The attention context's row: its f32 values,
-    /// little-endian. As one block of bytes like `cache`.
+    /// §5; its leaf hashes their f32 roundings). The attention context's and the MLP's hidden
+    /// row: the row quantised as the next product takes it (`QuantizedRows::encode_row`). As
+    /// one block of bytes like `cache`.
     #[serde(with = "serde_bytes")]
     pub encoding: Vec<u8>,
     /// The Merkle root of the product's rows.

@@ -30,7 +30,9 @@ pub enum Point {
     /// Attention scores `Q · Kᵀ` (a part a check draws; since protocol 6 no entry of its own:
     /// committed through the context).
     Scores,
-    /// Attention context `P' · V`.
+    /// Attention context `P' · V`: since protocol 7 its rows are committed as the output
+    /// projection takes them, quantised (one leaf per row over its blocks' scales and
+    /// elements, as for `Hidden`); the scores commit through it.
     Context,
     /// Output projection.
     O,
