@@ -1,7 +1,8 @@
 //! Time of one decode row's exact attention (SmolLM2-135M's shape: 9 query heads, 3 key/value
 //! heads of 64; Llama-2-7B's: 32 heads of 128) at several context lengths, on one thread, for
-//! the fast kernel and the reference measured in the same run (the ratio is the figure; both
-//! give the same bits). `cargo bench -p dc-model --bench attention`.
+//! the fast kernel, the same with its per-key loops one key at a time (what a CPU without AVX2
+//! runs) and the reference, measured in the same run (the ratios are the figures; all give the
+//! same bits). `cargo bench -p dc-model --bench attention`.
 
 use std::time::Instant;
 
@@ -88,18 +89,22 @@ fn measure(pool: &rayon::ThreadPool, name: &str, shape: AttentionShape) {
                     .collect();
                 median(samples)
             };
-            // Interleaved so the machine's drift hits both alike.
-            let (mut fast, mut reference) = (Vec::new(), Vec::new());
+            // Interleaved so the machine's drift hits each alike.
+            let (mut fast, mut scalar, mut reference) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..5 {
                 reference.push(time(AttentionKernel::Reference));
+                scalar.push(time(AttentionKernel::Scalar));
                 fast.push(time(AttentionKernel::Fast));
             }
-            let (fast, reference) = (median(fast), median(reference));
+            let (fast, scalar, reference) = (median(fast), median(scalar), median(reference));
             println!(
                 "{name} context {ctx:5}: fast {:8.1} µs per row ({:5.1} ns per head and key), \
-                 reference {:8.1} µs: {:.2}× faster",
+                 its per-key loops one key at a time {:8.1} µs ({:.2}×), reference {:8.1} µs \
+                 ({:.2}×)",
                 fast * 1e6,
                 fast * 1e9 / (ctx * shape.heads) as f64,
+                scalar * 1e6,
+                scalar / fast,
                 reference * 1e6,
                 reference / fast
             );

@@ -24,6 +24,8 @@ use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod reference;
 
 /// The quantised keys and values of one layer for one generation.
@@ -389,9 +391,13 @@ pub enum AttentionKernel {
     /// The value-by-value definition (NUMERICS.md §2).
     Reference,
     /// Scratch buffers reused per worker, each `exp` once, the per-key int8 loops of
-    /// [`dc_kernels::int8`].
+    /// [`dc_kernels::int8`], and the per-key f64 loops (scores from block products, quantised
+    /// probabilities) four keys at a time with AVX2 where the CPU has it.
     #[default]
     Fast,
+    /// [`AttentionKernel::Fast`] with its per-key f64 loops one key at a time: what a CPU
+    /// without AVX2 runs (tests hold every kernel to the reference on every CPU).
+    Scalar,
 }
 
 /// [`attend`] with a chosen per-head kernel.
@@ -423,23 +429,22 @@ pub fn attend_with(
             AttentionKernel::Reference => {
                 reference::head_attention(cache, qh, g, pos, window, scale, o)
             }
-            AttentionKernel::Fast => head_attention(cache, qh, g, pos, window, scale, o, scratch),
+            AttentionKernel::Fast => {
+                head_attention(cache, qh, g, pos, window, scale, o, scratch, true)
+            }
+            AttentionKernel::Scalar => {
+                head_attention(cache, qh, g, pos, window, scale, o, scratch, false)
+            }
         }
     };
     // Heads run in parallel on the rayon pool this is called from (`Gemm::install`); called
     // from outside any pool (a one-thread engine, a test) they run on the calling thread, so a
     // daemon told to use one thread uses one.
+    let each = |head| HeadScratch::with(|scratch| one(scratch, head));
     let results: Vec<Result<(), String>> = if rayon::current_thread_index().is_some() {
-        out.par_chunks_mut(hd)
-            .enumerate()
-            .map_init(HeadScratch::default, one)
-            .collect()
+        out.par_chunks_mut(hd).enumerate().map(each).collect()
     } else {
-        let mut scratch = HeadScratch::default();
-        out.chunks_mut(hd)
-            .enumerate()
-            .map(|head| one(&mut scratch, head))
-            .collect()
+        out.chunks_mut(hd).enumerate().map(each).collect()
     };
     if let Some(detail) = results.into_iter().find_map(Result::err) {
         return Err(ModelError::NonFinite {
@@ -472,6 +477,25 @@ struct HeadScratch {
     context: ContextScratch,
 }
 
+thread_local! {
+    /// Each thread's head buffers, kept from call to call: a decode row's heads are short
+    /// (one query against the cache), so buffers allocated per call, or per rayon job, cost
+    /// about as much as the arithmetic of a SmolLM2 head at a context of 64.
+    static HEAD_SCRATCH: std::cell::RefCell<HeadScratch> =
+        std::cell::RefCell::new(HeadScratch::default());
+}
+
+impl HeadScratch {
+    /// Runs `f` with this thread's buffers (fresh ones if they are in use further up the
+    /// stack, which a head never is: it calls nothing that could run another head).
+    fn with<T>(f: impl FnOnce(&mut HeadScratch) -> T) -> T {
+        HEAD_SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => f(&mut scratch),
+            Err(_) => f(&mut HeadScratch::default()),
+        })
+    }
+}
+
 /// Widest exponent span of a key's block terms that the scores' f64 path takes: each term
 /// `D · m_q · m_k` is below 2^35 (`|D| <= 32 · 128²`, `m <= 255`), so with at most
 /// [`FAST_MAX_BLOCKS`] = 2^3 terms on a grid of the smallest exponent, every partial sum is
@@ -482,7 +506,8 @@ const SCORE_F64_SPAN: i32 = 15;
 /// [`reference::head_attention`] (property-tested bit for bit), without its per-head
 /// allocations, with each `exp` taken once, the block dot products and value rows in vector
 /// loops ([`int8::block_dots`], [`int8::add_scaled_rows`]), a key's score summed in f64 where
-/// that is exact, and each output's block terms summed once in an i64 where they fit.
+/// that is exact, and each output's block terms summed once in an i64 where they fit. `simd`:
+/// the per-key f64 loops four keys at a time where the CPU has AVX2 (the same bits).
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     cache: &LayerCache,
@@ -493,6 +518,7 @@ fn head_attention(
     scale: f32,
     out: &mut [f32],
     scratch: &mut HeadScratch,
+    simd: bool,
 ) -> Result<(), String> {
     let (hd, hb, kvh) = (cache.head_dim, cache.hb, cache.kv_heads);
     if hb > FAST_MAX_BLOCKS {
@@ -538,12 +564,23 @@ fn head_attention(
         stride: kvh * hb,
         first: lo,
     };
-    match hb {
+    #[cfg(target_arch = "x86_64")]
+    let simd = simd && avx2::available();
+    match (hb, simd) {
         // The common head widths (32, 64, 96, 128) with the block loop unrolled.
-        1 => scores_of::<1>(qs, dots, keys, scale, pos, scores),
-        2 => scores_of::<2>(qs, dots, keys, scale, pos, scores),
-        3 => scores_of::<3>(qs, dots, keys, scale, pos, scores),
-        4 => scores_of::<4>(qs, dots, keys, scale, pos, scores),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY (each): AVX2 was detected.
+        (1, true) => unsafe { avx2::scores::<1>(qs, dots, keys, scale, pos, scores) },
+        #[cfg(target_arch = "x86_64")]
+        (2, true) => unsafe { avx2::scores::<2>(qs, dots, keys, scale, pos, scores) },
+        #[cfg(target_arch = "x86_64")]
+        (3, true) => unsafe { avx2::scores::<3>(qs, dots, keys, scale, pos, scores) },
+        #[cfg(target_arch = "x86_64")]
+        (4, true) => unsafe { avx2::scores::<4>(qs, dots, keys, scale, pos, scores) },
+        (1, _) => scores_of::<1>(qs, dots, keys, scale, pos, scores),
+        (2, _) => scores_of::<2>(qs, dots, keys, scale, pos, scores),
+        (3, _) => scores_of::<3>(qs, dots, keys, scale, pos, scores),
+        (4, _) => scores_of::<4>(qs, dots, keys, scale, pos, scores),
         _ => scores_any(qs, dots, keys, scale, pos, scores),
     }?;
     softmax_with(scores, exps);
@@ -554,24 +591,37 @@ fn head_attention(
     ctx_acc.clear();
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
+        let keys = j1 + 1 - j0;
+        let (probabilities, exponents) = (&scores[j0 - lo..=j1 - lo], &cache.v_e[j0 * kvh + g..]);
         let mut pv = [0f64; BLOCK];
-        let mut amax = 0f64;
-        for (p, j) in pv.iter_mut().zip(j0..=j1) {
-            *p = scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32);
-            amax = amax.max(*p);
-        }
+        let pv = &mut pv[..keys];
+        let mut qp = [0i32; BLOCK];
+        let qp = &mut qp[..keys];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 was detected.
+        let amax = match simd {
+            true => unsafe { avx2::scaled_probabilities(probabilities, exponents, kvh, pv) },
+            false => scaled_probabilities(probabilities, exponents, kvh, pv),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let amax = scaled_probabilities(probabilities, exponents, kvh, pv);
         if amax == 0.0 {
             continue;
         }
         let s = scale_for_amax_f64(amax);
-        let inv = pow2(-(s.e as i32));
-        let m = s.m as f64;
+        let (inv, m) = (pow2(-(s.e as i32)), s.m as f64);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 was detected.
+        match simd {
+            true => unsafe { avx2::quantized_probabilities(pv, inv, m, qp) },
+            false => quantized_probabilities(pv, inv, m, qp),
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        quantized_probabilities(pv, inv, m, qp);
         picks.clear();
-        for (j, &p) in (j0..=j1).zip(&pv) {
-            // As in the reference: exact scaling, one correctly rounded division.
-            let qp = round_half_even((p * inv) / m).min(QMAX as f64) as i8;
-            if qp != 0 {
-                picks.push((qp, (j * kvh + g) * hd));
+        for (j, &q) in (j0..=j1).zip(qp.iter()) {
+            if q != 0 {
+                picks.push((q as i8, (j * kvh + g) * hd));
             }
         }
         acc.clear();
@@ -581,6 +631,36 @@ fn head_attention(
         ctx_acc.extend_from_slice(acc);
     }
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
+}
+
+/// `P'_j = P_j · 2^e_j` for a block of keys into `out` (exact in f64): key `j`'s probability
+/// `probabilities[j]`, its value's exponent `exponents[j · stride]`; returns the largest.
+fn scaled_probabilities(
+    probabilities: &[f32],
+    exponents: &[i16],
+    stride: usize,
+    out: &mut [f64],
+) -> f64 {
+    let mut amax = 0f64;
+    for (j, (p, &prob)) in out.iter_mut().zip(probabilities).enumerate() {
+        *p = prob as f64 * pow2(exponents[j * stride] as i32);
+        amax = amax.max(*p);
+    }
+    amax
+}
+
+/// A block's `P'` quantised with the scale `m · 2^e` (`inv = 2^−e`) into `out`: as in the
+/// reference, exact scaling, one correctly rounded division, rounded half to even, at most
+/// [`QMAX`] (the values are never negative).
+fn quantized_probabilities(pv: &[f64], inv: f64, m: f64, out: &mut [i32]) {
+    for (q, &p) in out.iter_mut().zip(pv) {
+        *q = round_half_even((p * inv) / m).min(QMAX as f64) as i32;
+    }
+}
+
+/// The error for a key whose score leaves the f32 range.
+fn score_overflow(key: usize, pos: usize) -> String {
+    format!("score of key {key} overflows f32 at position {pos}")
 }
 
 /// One head's key scales in the cache: key `i` (absolute position `first + i`) has its
@@ -667,12 +747,7 @@ fn scores_with(
     scores.clear();
     for (i, d) in dots.chunks_exact(hb).enumerate() {
         let ks = &keys.scales[i * keys.stride..i * keys.stride + hb];
-        let dot = score(ks, d).ok_or_else(|| {
-            format!(
-                "score of key {} overflows f32 at position {pos}",
-                keys.first + i
-            )
-        })?;
+        let dot = score(ks, d).ok_or_else(|| score_overflow(keys.first + i, pos))?;
         scores.push(dot * scale);
     }
     Ok(())
