@@ -185,6 +185,17 @@ mod tests {
         }
     }
 
+    /// A deterministic stream of random words from `seed`.
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed | 1;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
     fn bits(r: Result<(), String>, v: &[f32]) -> (Result<(), String>, Vec<u32>) {
         (r, v.iter().map(|x| x.to_bits()).collect())
     }
@@ -240,13 +251,7 @@ mod tests {
         fn scores_are_the_scalar_loop_bit_for_bit(hb in 1usize..5, n in 0usize..40,
                                                   pad in 0usize..3, wide: bool, seed: u64) {
             prop_assume!(available());
-            let mut s = seed | 1;
-            let mut next = move || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s
-            };
+            let mut next = xorshift(seed);
             let stride = hb + pad;
             let qs: Vec<BlockScale> = (0..hb).map(|_| scale(next(), wide)).collect();
             let scales: Vec<BlockScale> = (0..n * stride).map(|_| scale(next(), wide)).collect();
@@ -266,13 +271,7 @@ mod tests {
         fn probabilities_are_the_scalar_loops_bit_for_bit(n in 0usize..33, stride in 1usize..4,
                                                           seed: u64, tiny: bool) {
             prop_assume!(available());
-            let mut s = seed | 1;
-            let mut next = move || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s
-            };
+            let mut next = xorshift(seed);
             // Probabilities in [0, 1] (some exactly 0 or 1), exponents as V's can be.
             let probabilities: Vec<f32> = (0..n)
                 .map(|_| match next() % 7 {
