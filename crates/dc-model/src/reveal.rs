@@ -14,14 +14,14 @@
 use std::sync::Arc;
 
 use dc_kernels::commit::{
-    merkle_proof, merkle_root, product_row_leaf, quantized_row_leaf, row_leaf_at,
+    merkle_proof, merkle_root, product_row_leaf, quantized_row_leaf, row_leaf_at, LeafBatch,
 };
 use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::reveal::{decode_for_check, row_encoding, Decode, Opening};
 use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
-use crate::attention::{attend, cache_commitment, cache_row_leaf, AttentionShape, LayerCache};
+use crate::attention::{attend, cache_row_leaf, queue_cache_rows, AttentionShape, LayerCache};
 use crate::error::{ModelError, Result};
 use crate::model::{Activations, Glue, KvCache, Model, Products};
 use crate::weights::{add_bias, KeptProduct, Mlp, Norm};
@@ -1057,9 +1057,20 @@ pub fn check_cache_rows(
             bytes.len()
         ));
     }
-    for &(t, n) in hops.iter().filter(|(t, _)| t.from >= from) {
+    // Every hop's rows hashed together (a decode hop's one row is too short to fill the hash
+    // lanes alone), each hop's commitment then compared in order.
+    let revealed: Vec<(&HopTrace, usize)> = hops
+        .iter()
+        .copied()
+        .filter(|(t, _)| t.from >= from)
+        .collect();
+    let mut batch = LeafBatch::default();
+    for &(t, n) in &revealed {
         let rows = &bytes[(t.from - from) * rb..(t.from - from + n) * rb];
-        if t.get(l, Point::KvCache) != Some(cache_commitment(t.from, rb, rows)) {
+        queue_cache_rows(&mut batch, t.from, rb, rows);
+    }
+    for (&(t, n), (commitment, _)) in revealed.iter().zip(batch.finish(false)) {
+        if t.get(l, Point::KvCache) != Some(commitment) {
             return Err(format!(
                 "layer {l}: the revealed cache rows of positions {}..{} are not the committed \
                  ones",
