@@ -379,6 +379,32 @@ impl LeafBatch {
         );
     }
 
+    /// Queues, as a set of its own, one product output row's leaf: its commitment is
+    /// [`product_row_leaf`] (a checker opening a few revealed rows hashes them together).
+    pub fn product_row_message(&mut self, position: usize, values: &[f32]) {
+        self.message(
+            Domain::ProductRow,
+            &[
+                &(position as u64).to_le_bytes(),
+                &(values.len() as u64).to_le_bytes(),
+                &f32_le_bytes(values),
+            ],
+        );
+    }
+
+    /// Queues, as a set of its own, one quantised row's leaf from its canonical bytes: its
+    /// commitment is [`quantized_row_leaf`].
+    pub fn quantized_row_message(&mut self, position: usize, k: usize, bytes: &[u8]) {
+        self.message(
+            Domain::QuantizedRow,
+            &[
+                &(position as u64).to_le_bytes(),
+                &(k as u64).to_le_bytes(),
+                bytes,
+            ],
+        );
+    }
+
     /// Closes the open set; its commitment names `cols`.
     pub fn end_set(&mut self, cols: usize) {
         self.sets.push(Set::Leaves {
@@ -897,6 +923,13 @@ mod tests {
             let want_acts = Domain::Activations.hash(&bytes);
             proptest::prop_assert_eq!(activations_commitment(shapes.len(), 300, &acts), want_acts);
             want.push((want_acts, Vec::new()));
+            // Lone leaves (as a checker queues the rows it opens).
+            let row: Vec<f32> = acts[..shapes.len() * 97].to_vec();
+            batch.product_row_message(shapes.len() + 5, &row);
+            want.push((product_row_leaf(shapes.len() + 5, &row), Vec::new()));
+            let encoded: Vec<u8> = (0..shapes.len() as u8 * 41).collect();
+            batch.quantized_row_message(7, 3 * shapes.len(), &encoded);
+            want.push((quantized_row_leaf(7, 3 * shapes.len(), &encoded), Vec::new()));
             // A set of other leaves (as a stage queues its cache rows) between the products.
             let cache: Vec<u8> = (0..200u8).collect();
             for (pos, row) in cache.chunks(40).enumerate() {
@@ -927,7 +960,7 @@ mod tests {
                 })
                 .collect();
             want.push((commit_leaves(k, &leaves), leaves));
-            proptest::prop_assert_eq!(batch.len(), shapes.len() + 3);
+            proptest::prop_assert_eq!(batch.len(), shapes.len() + 5);
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
             let got = pool.install(|| batch.finish(parallel));
             proptest::prop_assert_eq!(got, want);

@@ -237,13 +237,12 @@ fn hash_spans(bytes: &[u8], spans: &[Span], route: Route) -> Vec<[u8; 32]> {
     }
     // A long message fills the crate's own SIMD paths; the short ones share the lanes when
     // there are enough of them.
+    if !lanes_pay(spans.iter().map(|s| s.len)) {
+        return spans.iter().map(by_crate).collect();
+    }
     let wide = wide_lanes_available();
     let long = long_chunks(wide);
     let short: Vec<Span> = spans.iter().filter(|s| chunks(s) < long).copied().collect();
-    let lanes = short.len() >= 2 && short.iter().map(chunks).sum::<usize>() >= MIN_LANE_CHUNKS;
-    if !lanes {
-        return spans.iter().map(by_crate).collect();
-    }
     let mut from_lanes = hash_in_lanes(bytes, &short, wide).into_iter();
     spans
         .iter()
@@ -252,6 +251,26 @@ fn hash_spans(bytes: &[u8], spans: &[Span], route: Route) -> Vec<[u8; 32]> {
             false => by_crate(s),
         })
         .collect()
+}
+
+/// Whether messages of these lengths (bytes) are hashed faster together in the lanes than one
+/// at a time by the `blake3` crate: the rule [`Messages::keyed_hashes`] follows (at least two
+/// messages short of the crate's own SIMD paths, with [`MIN_LANE_CHUNKS`] chunks or more
+/// between them, on a machine with AVX2). A caller holding a few messages can skip gathering
+/// them when it does not pay.
+pub fn lanes_pay(lens: impl IntoIterator<Item = usize>) -> bool {
+    if !lanes_available() {
+        return false;
+    }
+    let long = long_chunks(wide_lanes_available());
+    let (mut short, mut chunks) = (0, 0);
+    for len in lens {
+        let c = len.div_ceil(CHUNK_LEN).max(1);
+        if c < long {
+            (short, chunks) = (short + 1, chunks + c);
+        }
+    }
+    short >= 2 && chunks >= MIN_LANE_CHUNKS
 }
 
 /// The working lists of [`hash_in_lanes`], kept per thread so a decode step's many small

@@ -657,10 +657,13 @@ impl LayerChecker {
         let h = cfg.hidden_size;
         let input = hop_rows(&reveal.input, trace.from, rows, h, needs.input)?;
         let next = hop_rows(&reveal.next, trace.from, rows, h, needs.next)?;
-        if needs.input && trace.get(l, Point::Input) != Some(input.commitment()) {
-            return Err(format!(
-                "layer {l}: the revealed input is not the committed one"
-            ));
+        // The revealed activations' hashes are taken with the first row's openings.
+        let mut hashes = Hashes::default();
+        if needs.input {
+            hashes.push(
+                Message::Activations(&input),
+                Want::Input(trace.get(l, Point::Input)),
+            );
         }
         // Looked up only when needed, where it is (the hop's output after its last layer, the
         // next layer's input otherwise) first: a lookup that misses scans the whole trace.
@@ -674,10 +677,8 @@ impl LayerChecker {
                 false => input().or_else(output),
             }
         };
-        if needs.next && next_commitment() != Some(next.commitment()) {
-            return Err(format!(
-                "layer {l}: the revealed output is not the committed one"
-            ));
+        if needs.next {
+            hashes.push(Message::Activations(&next), Want::Output(next_commitment()));
         }
         let known = cache.len();
         if checks.attention() {
@@ -707,7 +708,16 @@ impl LayerChecker {
                 true => &reveal.cache[(at - known) * rb..(at - known + 1) * rb],
                 false => &[][..],
             };
-            self.check_row(model, hop, cache, cache_row, product_rows, at, checks)?;
+            self.check_row(
+                model,
+                hop,
+                cache,
+                cache_row,
+                product_rows,
+                at,
+                checks,
+                &mut hashes,
+            )?;
         }
         if !checks.attention() {
             return Ok(());
@@ -723,15 +733,16 @@ impl LayerChecker {
     /// Checks the revealed `rows` of one position `pos` of `hop` (the cache holding `0..pos`
     /// and, when the attention is recomputed, `cache_row` the revealed row of `pos`).
     #[allow(clippy::too_many_arguments)]
-    fn check_row(
+    fn check_row<'a>(
         &self,
         model: &Model,
-        hop: HopRows<'_>,
+        hop: HopRows<'a>,
         cache: &mut LayerCache,
         cache_row: &[u8],
-        product_rows: &[RevealedRow],
+        product_rows: &'a [RevealedRow],
         pos: usize,
         checks: CheckSet,
+        hashes: &mut Hashes<'a>,
     ) -> std::result::Result<(), String> {
         let cfg = &model.config;
         let l = self.layer as u32;
@@ -804,10 +815,13 @@ impl LayerChecker {
                         };
                         let decoded = QuantizedRows::decode_row(&row.encoding, cols)
                             .map_err(|why| format!("layer {l}: the {what} row: {why}"))?;
-                        let leaf = quantized_row_leaf(pos, cols, &row.encoding);
-                        if row.cols as usize != cols || !opening.holds_for(&leaf) {
+                        if row.cols as usize != cols {
                             return Err(opens());
                         }
+                        hashes.push(
+                            Message::QuantizedRow(cols, &row.encoding),
+                            Want::Opens(opening, e.point),
+                        );
                         CommittedRow::Revealed(decoded)
                     }
                     false => CommittedRow::Opening(opening),
@@ -829,15 +843,19 @@ impl LayerChecker {
             };
             let decoded = decode_for_check(&row.encoding, cols, want)
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
-            if !opening.holds_for(&product_row_leaf(pos, &decoded.rounded)) {
-                return Err(opens());
-            }
+            hashes.push(
+                Message::ProductRow(values.len()),
+                Want::Opens(opening, e.point),
+            );
             values.push(RevealedValues {
                 point: e.point,
                 rounded: decoded.rounded,
                 residues: decoded.residues,
             });
         }
+        // Every row opened above, and the first row's revealed activations, open their
+        // commitments (hashed together).
+        hashes.verify(l, pos, &values)?;
         // The MLP's first products, which have no commitment of their own: each tested (its
         // row then made into the hidden row, which must open the committed one).
         for &(point, ref key, _) in &self.products {
@@ -983,6 +1001,106 @@ impl LayerChecker {
             .iter()
             .find(|(p, _, _)| *p == point)
             .map(|(_, k, b)| (k, b.as_deref()))
+    }
+}
+
+/// The hashes a check takes of what was revealed (the activations entering and leaving the
+/// layer, each opened row's leaf), gathered so that [`Hashes::verify`] can hash them together
+/// where that pays (a decode check's few rows of a few KB each leave the hash lanes mostly idle
+/// one at a time) and compare them in the order they were gathered, so the first mismatch is
+/// the one named.
+#[derive(Default)]
+struct Hashes<'a> {
+    gathered: Vec<(Message<'a>, Want<'a>)>,
+}
+
+/// A message a check hashes.
+enum Message<'a> {
+    /// Revealed activations (their commitment).
+    Activations(&'a Activations),
+    /// The leaf of the row at position `pos` of a product whose rounded values are
+    /// `values[index]` of [`Hashes::verify`].
+    ProductRow(usize),
+    /// The leaf of a quantised row of `k` values at position `pos`, its canonical bytes.
+    QuantizedRow(usize, &'a [u8]),
+}
+
+/// What a gathered hash must be.
+enum Want<'a> {
+    /// The commitment of the revealed input (`None`: the trace has none, which nothing
+    /// matches).
+    Input(Option<Commitment>),
+    /// The same of the revealed output.
+    Output(Option<Commitment>),
+    /// The leaf of an opened row of a product or a quantised row.
+    Opens(Opening<'a>, Point),
+}
+
+impl<'a> Hashes<'a> {
+    fn push(&mut self, message: Message<'a>, want: Want<'a>) {
+        self.gathered.push((message, want));
+    }
+
+    /// Hashes what was gathered and compares each hash with what it must be, in order (the
+    /// rows being layer `l`'s at position `pos`, product rows' values in `values`); leaves
+    /// nothing gathered.
+    fn verify(
+        &mut self,
+        l: u32,
+        pos: usize,
+        values: &[RevealedValues],
+    ) -> std::result::Result<(), String> {
+        // Bytes of each message (its 16-byte head and its body), to see whether the lanes pay.
+        let len = |m: &Message| match m {
+            Message::Activations(a) => 16 + 4 * a.data.len(),
+            Message::ProductRow(i) => 16 + 4 * values[*i].rounded.len(),
+            Message::QuantizedRow(_, bytes) => 16 + bytes.len(),
+        };
+        let hashes: Vec<Commitment> =
+            match dc_kernels::hash_many::lanes_pay(self.gathered.iter().map(|(m, _)| len(m))) {
+                true => {
+                    let mut batch = LeafBatch::default();
+                    for (m, _) in &self.gathered {
+                        match m {
+                            Message::Activations(a) => {
+                                batch.activations(a.start, a.hidden, &a.data)
+                            }
+                            Message::ProductRow(i) => {
+                                batch.product_row_message(pos, &values[*i].rounded)
+                            }
+                            Message::QuantizedRow(k, bytes) => {
+                                batch.quantized_row_message(pos, *k, bytes)
+                            }
+                        }
+                    }
+                    batch.finish_sets(false).commitments
+                }
+                false => self
+                    .gathered
+                    .iter()
+                    .map(|(m, _)| match m {
+                        Message::Activations(a) => a.commitment(),
+                        Message::ProductRow(i) => product_row_leaf(pos, &values[*i].rounded),
+                        Message::QuantizedRow(k, bytes) => quantized_row_leaf(pos, *k, bytes),
+                    })
+                    .collect(),
+            };
+        for ((_, want), hash) in self.gathered.drain(..).zip(hashes) {
+            let error = match want {
+                Want::Input(c) if c != Some(hash) => "the revealed input is not the committed one",
+                Want::Output(c) if c != Some(hash) => {
+                    "the revealed output is not the committed one"
+                }
+                Want::Opens(opening, p) if !opening.holds_for(&hash) => {
+                    return Err(format!(
+                        "layer {l}: the {p:?} row at position {pos} does not open its commitment"
+                    ));
+                }
+                _ => continue,
+            };
+            return Err(format!("layer {l}: {error}"));
+        }
+        Ok(())
     }
 }
 
