@@ -597,27 +597,13 @@ fn head_attention(
         let pv = &mut pv[..keys];
         let mut qp = [0i32; BLOCK];
         let qp = &mut qp[..keys];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 was detected.
-        let amax = match simd {
-            true => unsafe { avx2::scaled_probabilities(probabilities, exponents, kvh, pv) },
-            false => scaled_probabilities(probabilities, exponents, kvh, pv),
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let amax = scaled_probabilities(probabilities, exponents, kvh, pv);
+        let amax = probabilities_loops(simd).0(probabilities, exponents, kvh, pv);
         if amax == 0.0 {
             continue;
         }
         let s = scale_for_amax_f64(amax);
         let (inv, m) = (pow2(-(s.e as i32)), s.m as f64);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 was detected.
-        match simd {
-            true => unsafe { avx2::quantized_probabilities(pv, inv, m, qp) },
-            false => quantized_probabilities(pv, inv, m, qp),
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        quantized_probabilities(pv, inv, m, qp);
+        probabilities_loops(simd).1(pv, inv, m, qp);
         picks.clear();
         for (j, &q) in (j0..=j1).zip(qp.iter()) {
             if q != 0 {
@@ -631,6 +617,27 @@ fn head_attention(
         ctx_acc.extend_from_slice(acc);
     }
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
+}
+
+/// [`scaled_probabilities`] and [`quantized_probabilities`]: their AVX2 forms where `simd` is
+/// asked for and the CPU has AVX2, the scalar loops otherwise.
+#[allow(clippy::type_complexity)]
+fn probabilities_loops(
+    simd: bool,
+) -> (
+    fn(&[f32], &[i16], usize, &mut [f64]) -> f64,
+    fn(&[f64], f64, f64, &mut [i32]),
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd && avx2::available() {
+        // SAFETY: AVX2 was detected, which is all these forms need.
+        return (
+            |p, e, s, o| unsafe { avx2::scaled_probabilities(p, e, s, o) },
+            |p, i, m, o| unsafe { avx2::quantized_probabilities(p, i, m, o) },
+        );
+    }
+    let _ = simd;
+    (scaled_probabilities, quantized_probabilities)
 }
 
 /// `P'_j = P_j · 2^e_j` for a block of keys into `out` (exact in f64): key `j`'s probability
