@@ -127,6 +127,8 @@ pub struct FreivaldsKey {
     /// of int8s by u32s (vectorisable) instead of 32 i128 products.
     u_lo: Vec<u32>,
     u_hi: Vec<u32>,
+    /// Each output column's unit exponent (a row revealed in units form is read with them).
+    col_units: std::sync::Arc<[i32]>,
 }
 
 impl FreivaldsKey {
@@ -155,7 +157,20 @@ impl FreivaldsKey {
         }
         let u_lo = u.iter().map(|&v| v as u32).collect();
         let u_hi = u.iter().map(|&v| (v >> 32) as u32).collect();
-        FreivaldsKey { r, u, u_lo, u_hi }
+        FreivaldsKey {
+            r,
+            u,
+            u_lo,
+            u_hi,
+            col_units: w.col_units(),
+        }
+    }
+
+    /// The unit exponent of each output column, as the kernels keep the product's exact
+    /// accumulators ([`Accumulators::col_units`]): what a row revealed in units form is read
+    /// with ([`crate::reveal::decode_units_for_check`]).
+    pub fn col_units(&self) -> &[i32] {
+        &self.col_units[..self.r.len()]
     }
 
     /// Checks row `row` of `acc` (the claimed exact accumulators of `x · W`).
@@ -335,6 +350,7 @@ mod tests {
                 u_lo: u.iter().map(|&v| v as u32).collect(),
                 u_hi: u.iter().map(|&v| (v >> 32) as u32).collect(),
                 u,
+                col_units: vec![0].into(),
             };
             let q: Vec<i8> = (0..rows * k)
                 .map(|_| match rng.next_u64() % 4 {

@@ -1,7 +1,9 @@
-//! Revealing one row of a committed product: the canonical encoding of the row's exact
-//! accumulators travels as bytes, is decoded back into exact values for a check (Freivalds, or
-//! recomputing what depends on it), and is tied to the product's commitment by its roundings'
-//! leaf and Merkle path.
+//! Revealing one row of a committed product: the row's exact accumulators travel as bytes —
+//! in units form (the row's unit exponent and each value's `i64` sum, 8 bytes a value: what a
+//! kernel keeps, the columns' units being the checker's own) or, for a row holding a value too
+//! wide for that, in canonical encoding (12 bytes a small value) — are decoded back into exact
+//! values for a check (Freivalds, or recomputing what depends on it), and are tied to the
+//! product's commitment by their roundings' leaf and Merkle path.
 //!
 //! Everything a revealed row carries comes from a peer that may lie, so decoding refuses
 //! malformed bytes with a reason and bounds what it allocates.
@@ -20,6 +22,120 @@ pub fn row_encoding(acc: &Accumulators, row: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(acc.cols * 12);
     encode_row(acc, row, &mut out);
     out
+}
+
+/// Row `row` of `acc` as a stage reveals it: in units form (`Some(unit)`, then each value's
+/// `i64` sum, 8 bytes little-endian: column `c` is worth `sum · 2^(unit + acc.col_units()[c])`)
+/// when every value has such a sum, which a kernel's row always does; otherwise (`None`) the
+/// canonical encoding. Either way no value is put in canonical form on the stage's side.
+pub fn row_for_reveal(acc: &Accumulators, row: usize) -> (Option<i32>, Vec<u8>) {
+    match acc.row_in_units(row) {
+        Some((unit, sums)) => (
+            Some(unit),
+            sums.iter().flat_map(|s| s.to_le_bytes()).collect(),
+        ),
+        None => (None, row_encoding(acc, row)),
+    }
+}
+
+/// The exponents a value in units form may have (`unit + col_unit`): far beyond any product's
+/// (block exponents stay within a few hundred of zero), near enough to zero that nothing
+/// computed from them overflows.
+const UNITS_EXP: std::ops::RangeInclusive<i32> = -(1 << 20)..=(1 << 20);
+
+/// Value `c` of a row in units form: its sum and exponent, from its 8 bytes and units. Refuses
+/// the wide marker (a row holding a wide value travels canonically) and an exponent outside
+/// [`UNITS_EXP`].
+#[inline]
+fn unit_value(c: usize, bytes: &[u8], unit: i32, col_unit: i32) -> Result<(i64, i32), String> {
+    let sum = i64::from_le_bytes(bytes.try_into().expect("8 bytes a value"));
+    let exp = unit
+        .checked_add(col_unit)
+        .filter(|e| UNITS_EXP.contains(e))
+        .ok_or_else(|| format!("value {c}: exponent {unit} + {col_unit} out of range"))?;
+    match sum == i64::MIN {
+        true => Err(format!("value {c}: the wide marker in units form")),
+        false => Ok((sum, exp)),
+    }
+}
+
+/// The values of a row in units form, checked for length (8 bytes per column of `col_units`).
+fn units_values<'a>(
+    unit: i32,
+    bytes: &'a [u8],
+    col_units: &'a [i32],
+) -> Result<impl Iterator<Item = Result<(i64, i32), String>> + 'a, String> {
+    if bytes.len() != col_units.len() * 8 {
+        return Err(format!(
+            "{} bytes in units form for {} values",
+            bytes.len(),
+            col_units.len()
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .zip(col_units)
+        .enumerate()
+        .map(move |(c, (b, &cu))| unit_value(c, b, unit, cu)))
+}
+
+/// The exact values of a revealed product row in either form ([`row_for_reveal`]), one per
+/// column of `col_units` (the product's column units): for tools and tests.
+pub fn revealed_values(
+    unit: Option<i32>,
+    bytes: &[u8],
+    col_units: &[i32],
+) -> Result<Vec<Exact>, String> {
+    match unit {
+        None => decode_row(bytes, col_units.len()),
+        Some(unit) => units_values(unit, bytes, col_units)?
+            .map(|v| v.map(|(sum, exp)| Exact::from_i64(sum, exp)))
+            .collect(),
+    }
+}
+
+/// [`decode_for_check`] of a row in units form: the row's `unit` and `bytes`, with the
+/// product's `col_units` (one per value; the checker's own, from its copy of the weights). The
+/// same numbers as decoding the same values' canonical encoding (property-tested); refuses
+/// what [`revealed_values`] refuses and a value that overflows f32.
+pub fn decode_units_for_check(
+    unit: i32,
+    bytes: &[u8],
+    col_units: &[i32],
+    want: Decode,
+) -> Result<CheckedRow, String> {
+    use crate::freivalds::exact_mod;
+    let cols = col_units.len();
+    if bytes.len() == cols * 8 && UNITS_EXP.contains(&unit) {
+        // The usual row, in one tight pass; anything unusual takes the general path below,
+        // which gives the same numbers and the errors.
+        let mut row = CheckedRow {
+            residues: vec![0; if want.residues { cols } else { 0 }],
+            rounded: vec![0.0; if want.rounded { cols } else { 0 }],
+        };
+        if decode_units_small(bytes, unit, col_units, &mut row.residues, &mut row.rounded) {
+            return Ok(row);
+        }
+    }
+    let mut row = CheckedRow {
+        residues: Vec::with_capacity(if want.residues { cols } else { 0 }),
+        rounded: Vec::with_capacity(if want.rounded { cols } else { 0 }),
+    };
+    for (c, value) in units_values(unit, bytes, col_units)?.enumerate() {
+        let (sum, exp) = value?;
+        let v = Exact::from_i64(sum, exp);
+        let (residue, f) = (exact_mod(&v), rounded(&v).unwrap_or(f32::INFINITY));
+        if !f.is_finite() {
+            return Err(format!("value {c} overflows f32"));
+        }
+        if want.residues {
+            row.residues.push(residue);
+        }
+        if want.rounded {
+            row.rounded.push(f);
+        }
+    }
+    Ok(row)
 }
 
 /// The canonical encoding of a row of exact values.
@@ -188,31 +304,86 @@ pub fn decode_small(bytes: &[u8], residues: &mut [u64], rounded: &mut [f32]) -> 
 
 /// The definition of [`decode_small`], value by value.
 pub fn decode_small_scalar(bytes: &[u8], residues: &mut [u64], rounded: &mut [f32]) -> bool {
-    use crate::freivalds::small_mod;
-    for (i, rec) in bytes.chunks_exact(12).enumerate() {
+    bytes.chunks_exact(12).enumerate().all(|(i, rec)| {
         let (m, e) = rec.split_at(8);
         let mant = i64::from_le_bytes(m.try_into().expect("8 bytes"));
         let exp = i32::from_le_bytes(e.try_into().expect("4 bytes"));
-        if !USUAL_EXP.contains(&exp) {
+        small_value(mant, exp, i, residues, rounded)
+    })
+}
+
+/// Value `i`, `mant · 2^exp`, into `residues[i]` and `rounded[i]` (each unless empty); false
+/// when it is unusual (an exponent outside [`USUAL_EXP`], a rounding past f32).
+#[inline]
+fn small_value(mant: i64, exp: i32, i: usize, residues: &mut [u64], rounded: &mut [f32]) -> bool {
+    use crate::freivalds::small_mod;
+    if !USUAL_EXP.contains(&exp) {
+        return false;
+    }
+    if !residues.is_empty() {
+        residues[i] = small_mod(mant, exp);
+    }
+    // Below 2^127 a value cannot round past f32::MAX, so unless its rounding is wanted it
+    // need not be computed.
+    let top = exp + (64 - mant.unsigned_abs().leading_zeros() as i32);
+    if !rounded.is_empty() || top > 127 {
+        let f = round_i64_fast(mant, exp);
+        if !f.is_finite() {
             return false;
         }
-        if !residues.is_empty() {
-            residues[i] = small_mod(mant, exp);
-        }
-        // Below 2^127 a value cannot round past f32::MAX, so unless its rounding is wanted it
-        // need not be computed.
-        let top = exp + (64 - mant.unsigned_abs().leading_zeros() as i32);
-        if !rounded.is_empty() || top > 127 {
-            let f = round_i64_fast(mant, exp);
-            if !f.is_finite() {
-                return false;
-            }
-            if !rounded.is_empty() {
-                rounded[i] = f;
-            }
+        if !rounded.is_empty() {
+            rounded[i] = f;
         }
     }
     true
+}
+
+/// [`decode_small`] of a row in units form: `bytes` holding one sum per column of
+/// `col_units`, with `unit` in [`UNITS_EXP`]; false, with the outputs meaningless, when any
+/// value is unusual or the wide marker (which [`decode_units_for_check`] then refuses).
+pub fn decode_units_small(
+    bytes: &[u8],
+    unit: i32,
+    col_units: &[i32],
+    residues: &mut [u64],
+    rounded: &mut [f32],
+) -> bool {
+    let n = col_units.len();
+    assert!(
+        bytes.len() == n * 8
+            && UNITS_EXP.contains(&unit)
+            && (residues.is_empty() || residues.len() == n)
+            && (rounded.is_empty() || rounded.len() == n),
+        "a sum per column, a unit in range, and one output per value"
+    );
+    // A column unit far out (none of a real product's) could overflow the lanes' sums.
+    if col_units.iter().any(|cu| !UNITS_EXP.contains(cu)) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected.
+        return unsafe { avx2::decode_units_small(bytes, unit, col_units, residues, rounded) };
+    }
+    decode_units_small_scalar(bytes, unit, col_units, residues, rounded)
+}
+
+/// The definition of [`decode_units_small`], value by value.
+pub fn decode_units_small_scalar(
+    bytes: &[u8],
+    unit: i32,
+    col_units: &[i32],
+    residues: &mut [u64],
+    rounded: &mut [f32],
+) -> bool {
+    bytes
+        .chunks_exact(8)
+        .zip(col_units)
+        .enumerate()
+        .all(|(i, (b, &cu))| {
+            let sum = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+            sum != i64::MIN && small_value(sum, unit + cu, i, residues, rounded)
+        })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -229,31 +400,147 @@ mod avx2 {
     use super::USUAL_EXP;
     use crate::freivalds::P;
 
+    /// The constants of [`four`].
+    struct Consts {
+        p: __m256i,
+        zero: __m256i,
+        lo: __m128i,
+        hi: __m128i,
+        bias: __m128i,
+        magic: __m128i,
+        c61: __m128i,
+        two52: __m256i,
+        low12: __m256i,
+        one: __m256i,
+        twelve: __m256i,
+        high_halves: __m256i,
+        sign32: __m128i,
+        inf32: __m128i,
+    }
+
+    impl Consts {
+        #[target_feature(enable = "avx2")]
+        fn new() -> Consts {
+            Consts {
+                p: _mm256_set1_epi64x(P as i64),
+                zero: _mm256_setzero_si256(),
+                lo: _mm_set1_epi32(*USUAL_EXP.start()),
+                hi: _mm_set1_epi32(*USUAL_EXP.end()),
+                // e + 61·17 is in 0..2048 for the usual exponents, where ⌊x · 2149 / 2^17⌋ =
+                // ⌊x / 61⌋.
+                bias: _mm_set1_epi32(61 * 17),
+                magic: _mm_set1_epi32(2149),
+                c61: _mm_set1_epi32(61),
+                two52: _mm256_set1_epi64x(0x4330_0000_0000_0000),
+                low12: _mm256_set1_epi64x(0xfff),
+                one: _mm256_set1_epi64x(1),
+                twelve: _mm256_set1_epi64x(12),
+                high_halves: _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0),
+                sign32: _mm_set1_epi32(i32::MIN),
+                inf32: _mm_set1_epi32(0x7f80_0000),
+            }
+        }
+    }
+
+    /// The residues and roundings of the four values `m · 2^e` into `residues[i..i + 4]` and
+    /// `rounded[i..i + 4]` (each unless empty); returns a mask of the lanes that are unusual
+    /// (an exponent outside [`USUAL_EXP`], a rounding past f32), whose outputs mean nothing.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn four(
+        k: &Consts,
+        m: __m256i,
+        e: __m128i,
+        residues: &mut [u64],
+        rounded: &mut [f32],
+        i: usize,
+    ) -> __m128i {
+        let mut unusual = _mm_or_si128(_mm_cmplt_epi32(e, k.lo), _mm_cmpgt_epi32(e, k.hi));
+        let neg = _mm256_cmpgt_epi64(k.zero, m);
+        let mag = _mm256_sub_epi64(_mm256_xor_si256(m, neg), neg);
+        if !residues.is_empty() {
+            // |m| ≤ 2^63 folds below 2^61 + 4; one conditional subtraction finishes.
+            let p = k.p;
+            let f = _mm256_add_epi64(_mm256_and_si256(mag, p), _mm256_srli_epi64(mag, 61));
+            let f = _mm256_sub_epi64(
+                f,
+                _mm256_and_si256(_mm256_cmpgt_epi64(f, _mm256_sub_epi64(p, k.one)), p),
+            );
+            let nonzero = _mm256_xor_si256(_mm256_cmpeq_epi64(f, k.zero), _mm256_set1_epi64x(-1));
+            let x = _mm256_blendv_epi8(f, _mm256_sub_epi64(p, f), _mm256_and_si256(neg, nonzero));
+            let eb = _mm_add_epi32(e, k.bias);
+            let q = _mm_srli_epi32(_mm_mullo_epi32(eb, k.magic), 17);
+            let rot = _mm256_cvtepu32_epi64(_mm_sub_epi32(eb, _mm_mullo_epi32(q, k.c61)));
+            let r = _mm256_or_si256(
+                _mm256_and_si256(_mm256_sllv_epi64(x, rot), p),
+                _mm256_srlv_epi64(x, _mm256_sub_epi64(_mm256_set1_epi64x(61), rot)),
+            );
+            let out = &mut residues[i..i + 4];
+            // SAFETY: `out` is four u64s; the store is unaligned.
+            unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), r) };
+        }
+        let big = _mm256_xor_si256(
+            _mm256_cmpeq_epi64(_mm256_srli_epi64(mag, 52), k.zero),
+            _mm256_set1_epi64x(-1),
+        );
+        let shift = _mm256_and_si256(big, k.twelve);
+        let sticky = _mm256_andnot_si256(
+            _mm256_cmpeq_epi64(_mm256_and_si256(mag, k.low12), k.zero),
+            _mm256_and_si256(big, k.one),
+        );
+        let kept = _mm256_or_si256(_mm256_srlv_epi64(mag, shift), sticky);
+        let whole = _mm256_sub_pd(
+            _mm256_castsi256_pd(_mm256_or_si256(kept, k.two52)),
+            _mm256_castsi256_pd(k.two52),
+        );
+        let scale = _mm256_slli_epi64(
+            _mm256_add_epi64(
+                _mm256_add_epi64(_mm256_cvtepi32_epi64(e), shift),
+                _mm256_set1_epi64x(1023),
+            ),
+            52,
+        );
+        let v = _mm_castps_si128(_mm256_cvtpd_ps(_mm256_mul_pd(
+            whole,
+            _mm256_castsi256_pd(scale),
+        )));
+        let sign = _mm_and_si128(
+            _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(m, k.high_halves)),
+            k.sign32,
+        );
+        // Rounded past f32::MAX: infinity (a lane with an unusual exponent may hold anything;
+        // it is refused anyway).
+        unusual = _mm_or_si128(unusual, _mm_cmpeq_epi32(v, k.inf32));
+        if !rounded.is_empty() {
+            let out = &mut rounded[i..i + 4];
+            // SAFETY: `out` is four f32s; the store is unaligned.
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), _mm_or_si128(v, sign)) };
+        }
+        unusual
+    }
+
+    /// The outputs from `i` on, or empty when not wanted.
+    fn tails<'a>(
+        residues: &'a mut [u64],
+        rounded: &'a mut [f32],
+        i: usize,
+    ) -> (&'a mut [u64], &'a mut [f32]) {
+        let r = match residues.is_empty() {
+            true => &mut [][..],
+            false => &mut residues[i..],
+        };
+        let f = match rounded.is_empty() {
+            true => &mut [][..],
+            false => &mut rounded[i..],
+        };
+        (r, f)
+    }
+
     /// See [`super::decode_small`] (which checked the lengths).
     #[target_feature(enable = "avx2")]
     pub(super) fn decode_small(bytes: &[u8], residues: &mut [u64], rounded: &mut [f32]) -> bool {
         let n = bytes.len() / 12;
-        let (want_res, want_f32) = (!residues.is_empty(), !rounded.is_empty());
-        let p = _mm256_set1_epi64x(P as i64);
-        let zero = _mm256_setzero_si256();
-        let (lo, hi) = (
-            _mm_set1_epi32(*USUAL_EXP.start()),
-            _mm_set1_epi32(*USUAL_EXP.end()),
-        );
-        // e + 61·17 is in 0..2048 for the usual exponents, where ⌊x · 2149 / 2^17⌋ = ⌊x / 61⌋.
-        let (bias, magic, c61) = (
-            _mm_set1_epi32(61 * 17),
-            _mm_set1_epi32(2149),
-            _mm_set1_epi32(61),
-        );
-        let two52 = _mm256_set1_epi64x(0x4330_0000_0000_0000);
-        let (low12, one, twelve) = (
-            _mm256_set1_epi64x(0xfff),
-            _mm256_set1_epi64x(1),
-            _mm256_set1_epi64x(12),
-        );
-        let high_halves = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
-        let (sign32, inf32) = (_mm_set1_epi32(i32::MIN), _mm_set1_epi32(0x7f80_0000));
+        let k = Consts::new();
         let mut unusual = _mm_setzero_si128();
         let mut i = 0;
         while i + 4 <= n {
@@ -266,84 +553,53 @@ mod avx2 {
             };
             let m = _mm256_set_epi64x(mant(3), mant(2), mant(1), mant(0));
             let e = _mm_set_epi32(exp(3), exp(2), exp(1), exp(0));
-            unusual = _mm_or_si128(
-                unusual,
-                _mm_or_si128(_mm_cmplt_epi32(e, lo), _mm_cmpgt_epi32(e, hi)),
-            );
-            let neg = _mm256_cmpgt_epi64(zero, m);
-            let mag = _mm256_sub_epi64(_mm256_xor_si256(m, neg), neg);
-            if want_res {
-                // |m| ≤ 2^63 folds below 2^61 + 4; one conditional subtraction finishes.
-                let f = _mm256_add_epi64(_mm256_and_si256(mag, p), _mm256_srli_epi64(mag, 61));
-                let f = _mm256_sub_epi64(
-                    f,
-                    _mm256_and_si256(_mm256_cmpgt_epi64(f, _mm256_sub_epi64(p, one)), p),
-                );
-                let nonzero = _mm256_xor_si256(_mm256_cmpeq_epi64(f, zero), _mm256_set1_epi64x(-1));
-                let x =
-                    _mm256_blendv_epi8(f, _mm256_sub_epi64(p, f), _mm256_and_si256(neg, nonzero));
-                let eb = _mm_add_epi32(e, bias);
-                let q = _mm_srli_epi32(_mm_mullo_epi32(eb, magic), 17);
-                let k = _mm256_cvtepu32_epi64(_mm_sub_epi32(eb, _mm_mullo_epi32(q, c61)));
-                let r = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_sllv_epi64(x, k), p),
-                    _mm256_srlv_epi64(x, _mm256_sub_epi64(_mm256_set1_epi64x(61), k)),
-                );
-                let out = &mut residues[i..i + 4];
-                // SAFETY: `out` is four u64s; the store is unaligned.
-                unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), r) };
-            }
-            let big = _mm256_xor_si256(
-                _mm256_cmpeq_epi64(_mm256_srli_epi64(mag, 52), zero),
-                _mm256_set1_epi64x(-1),
-            );
-            let shift = _mm256_and_si256(big, twelve);
-            let sticky = _mm256_andnot_si256(
-                _mm256_cmpeq_epi64(_mm256_and_si256(mag, low12), zero),
-                _mm256_and_si256(big, one),
-            );
-            let kept = _mm256_or_si256(_mm256_srlv_epi64(mag, shift), sticky);
-            let whole = _mm256_sub_pd(
-                _mm256_castsi256_pd(_mm256_or_si256(kept, two52)),
-                _mm256_castsi256_pd(two52),
-            );
-            let scale = _mm256_slli_epi64(
-                _mm256_add_epi64(
-                    _mm256_add_epi64(_mm256_cvtepi32_epi64(e), shift),
-                    _mm256_set1_epi64x(1023),
-                ),
-                52,
-            );
-            let v = _mm_castps_si128(_mm256_cvtpd_ps(_mm256_mul_pd(
-                whole,
-                _mm256_castsi256_pd(scale),
-            )));
-            let sign = _mm_and_si128(
-                _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(m, high_halves)),
-                sign32,
-            );
-            // Rounded past f32::MAX: infinity (a lane with an unusual exponent may hold
-            // anything; it is refused anyway).
-            unusual = _mm_or_si128(unusual, _mm_cmpeq_epi32(v, inf32));
-            if want_f32 {
-                let out = &mut rounded[i..i + 4];
-                // SAFETY: `out` is four f32s; the store is unaligned.
-                unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), _mm_or_si128(v, sign)) };
-            }
+            unusual = _mm_or_si128(unusual, four(&k, m, e, residues, rounded, i));
             i += 4;
         }
-        let tail_res = if want_res {
-            &mut residues[i..]
-        } else {
-            &mut [][..]
-        };
-        let tail_f32 = if want_f32 {
-            &mut rounded[i..]
-        } else {
-            &mut [][..]
-        };
+        let (tail_res, tail_f32) = tails(residues, rounded, i);
         _mm_testz_si128(unusual, unusual) == 1
             && super::decode_small_scalar(&bytes[i * 12..], tail_res, tail_f32)
+    }
+
+    /// See [`super::decode_units_small`] (which checked the lengths and `unit`'s range).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn decode_units_small(
+        bytes: &[u8],
+        unit: i32,
+        col_units: &[i32],
+        residues: &mut [u64],
+        rounded: &mut [f32],
+    ) -> bool {
+        let n = col_units.len();
+        let k = Consts::new();
+        let (units, wide) = (_mm_set1_epi32(unit), _mm256_set1_epi64x(i64::MIN));
+        let mut unusual = _mm_setzero_si128();
+        let mut marked = _mm256_setzero_si256();
+        let mut i = 0;
+        while i + 4 <= n {
+            let at = &bytes[i * 8..i * 8 + 32];
+            // SAFETY: `at` is 32 bytes and `col_units[i..i + 4]` 16; the loads are unaligned.
+            let (m, cu) = unsafe {
+                (
+                    _mm256_loadu_si256(at.as_ptr().cast()),
+                    _mm_loadu_si128(col_units[i..i + 4].as_ptr().cast()),
+                )
+            };
+            marked = _mm256_or_si256(marked, _mm256_cmpeq_epi64(m, wide));
+            let e = _mm_add_epi32(cu, units);
+            unusual = _mm_or_si128(unusual, four(&k, m, e, residues, rounded, i));
+            i += 4;
+        }
+        let (tail_res, tail_f32) = tails(residues, rounded, i);
+        _mm_testz_si128(unusual, unusual) == 1
+            && _mm256_testz_si256(marked, marked) == 1
+            && super::decode_units_small_scalar(
+                &bytes[i * 8..],
+                unit,
+                &col_units[i..],
+                tail_res,
+                tail_f32,
+            )
     }
 }
 
@@ -446,6 +702,105 @@ mod tests {
                 .map(|(c, v)| rounded(v).ok_or_else(|| format!("value {c} overflows f32")))
                 .collect::<Result<_, _>>()?,
         })
+    }
+
+    #[test]
+    fn a_row_in_units_decodes_as_its_values_canonical_encoding_does() {
+        let mut rng = crate::rng::SplitMix64::new(23);
+        for i in 0..3000u64 {
+            let cols = (rng.next_u64() % 40) as usize;
+            let unit = match i % 9 {
+                // Values past the f32 range, or below its smallest subnormal.
+                0 => 150,
+                1 => -1200,
+                _ => (rng.next_u64() % 120) as i32 - 90,
+            };
+            let col_units: Vec<i32> = (0..cols)
+                .map(|_| (rng.next_u64() % 40) as i32 - 20)
+                .collect();
+            let sums: Vec<i64> = (0..cols)
+                .map(|_| match rng.next_u64() % 8 {
+                    0 => 0,
+                    1 => i64::MAX,
+                    2 => i64::MIN + 1,
+                    // Even sums: a unit below the value's canonical exponent.
+                    3 => (rng.next_u64() as i64) << 7,
+                    _ => (rng.next_u64() >> 20) as i64 - (1 << 43),
+                })
+                .collect();
+            let bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+            let values = revealed_values(Some(unit), &bytes, &col_units).unwrap();
+            for (c, (v, &s)) in values.iter().zip(&sums).enumerate() {
+                assert_eq!(*v, Exact::from_i64(s, unit + col_units[c]), "case {i}");
+            }
+            let canonical = values_encoding(&values);
+            for want in [
+                Decode::BOTH,
+                Decode {
+                    residues: true,
+                    rounded: false,
+                },
+                Decode {
+                    residues: false,
+                    rounded: true,
+                },
+            ] {
+                assert_eq!(
+                    decode_units_for_check(unit, &bytes, &col_units, want),
+                    decode_for_check(&canonical, cols, want),
+                    "case {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_rows_in_units_are_refused() {
+        let bytes: Vec<u8> = [3i64, -4, 0].iter().flat_map(|s| s.to_le_bytes()).collect();
+        let units = [0, 1, 2];
+        let decode = |unit, bytes: &[u8], units: &[i32]| {
+            decode_units_for_check(unit, bytes, units, Decode::BOTH).unwrap_err()
+        };
+        assert!(decode(0, &bytes[1..], &units).contains("23 bytes in units form for 3 values"));
+        assert!(decode(0, &bytes, &units[..2]).contains("24 bytes in units form for 2 values"));
+        assert!(decode(i32::MAX, &bytes, &units).contains("out of range"));
+        assert!(decode(-(1 << 20), &bytes, &[0, -1, 0]).contains("value 1: exponent"));
+        let mut wide = bytes.clone();
+        wide[8..16].copy_from_slice(&i64::MIN.to_le_bytes());
+        assert!(decode(0, &wide, &units).contains("value 1: the wide marker"));
+        assert!(decode(200, &bytes, &units).contains("value 0 overflows f32"));
+        assert!(revealed_values(Some(0), &wide, &units).is_err());
+        assert_eq!(
+            revealed_values(Some(-1), &bytes, &units),
+            Ok(vec![
+                Exact::from_i64(3, -1),
+                Exact::from_i64(-4, 0),
+                Exact::ZERO
+            ])
+        );
+    }
+
+    #[test]
+    fn a_kernel_row_is_revealed_in_units_and_a_wide_one_canonically() {
+        let values = vec![
+            Exact::from_i64(12, 3),
+            Exact::from_i64(-7, -4),
+            Exact::from_i128(-((1i128 << 70) + 1), -5),
+            Exact::ZERO,
+        ];
+        let acc = Accumulators::from_values(2, 2, &values);
+        let (unit, bytes) = row_for_reveal(&acc, 0);
+        assert!(unit.is_some() && bytes.len() == 16);
+        assert_eq!(
+            revealed_values(unit, &bytes, acc.col_units()),
+            Ok(values[..2].to_vec())
+        );
+        let (unit, bytes) = row_for_reveal(&acc, 1);
+        assert_eq!(unit, None);
+        assert_eq!(
+            revealed_values(unit, &bytes, acc.col_units()),
+            Ok(values[2..].to_vec())
+        );
     }
 
     #[test]
@@ -601,6 +956,74 @@ mod tests {
                 assert_eq!(r1, r2, "{e}");
             }
         }
+    }
+
+    #[test]
+    fn the_fast_units_decoding_is_its_scalar_definition() {
+        let mut rng = crate::rng::SplitMix64::new(29);
+        let mut accepted = 0;
+        for i in 0..20_000u64 {
+            let cols = (rng.next_u64() % 41) as usize;
+            let edges = rng.next_u64() % 3;
+            // Each value an edge (its exponent split between the row's unit and its column's)
+            // now and then, or ordinary; the wide marker at times.
+            let unit = (rng.next_u64() % 60) as i32 - 40;
+            let values: Vec<(i64, i32)> = (0..cols)
+                .map(|_| match rng.next_u64() % 8 < edges {
+                    true => {
+                        let (m, e) = edge_value(&mut rng);
+                        (m, e - unit)
+                    }
+                    false => (
+                        (rng.next_u64() >> (rng.next_u64() % 40)) as i64 - (1 << 22),
+                        (rng.next_u64() % 60) as i32 - 50,
+                    ),
+                })
+                .collect();
+            let bytes: Vec<u8> = values.iter().flat_map(|(m, _)| m.to_le_bytes()).collect();
+            let col_units: Vec<i32> = values.iter().map(|&(_, cu)| cu).collect();
+            for (res, f32s) in [(true, true), (true, false), (false, true), (false, false)] {
+                let outputs = || {
+                    (
+                        vec![0u64; if res { cols } else { 0 }],
+                        vec![0f32; if f32s { cols } else { 0 }],
+                    )
+                };
+                let (mut r1, mut f1) = outputs();
+                let (mut r2, mut f2) = outputs();
+                let fast = decode_units_small(&bytes, unit, &col_units, &mut r1, &mut f1);
+                let scalar = decode_units_small_scalar(&bytes, unit, &col_units, &mut r2, &mut f2);
+                assert_eq!(fast, scalar, "case {i} {values:?}");
+                if fast {
+                    accepted += 1;
+                    assert_eq!(r1, r2, "case {i} {values:?}");
+                    let bits = |f: &[f32]| f.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&f1), bits(&f2), "case {i} {values:?}");
+                }
+            }
+            // And through the entry point, against the definition value by value: the first
+            // wide marker or overflow refused, otherwise each value reduced and rounded.
+            let mut want = Ok(CheckedRow {
+                residues: Vec::new(),
+                rounded: Vec::new(),
+            });
+            for (c, &(m, cu)) in values.iter().enumerate() {
+                if m == i64::MIN {
+                    want = Err(format!("value {c}: the wide marker in units form"));
+                    break;
+                }
+                let v = Exact::from_i64(m, unit + cu);
+                let (Ok(row), Some(f)) = (&mut want, rounded(&v)) else {
+                    want = Err(format!("value {c} overflows f32"));
+                    break;
+                };
+                row.residues.push(crate::freivalds::exact_mod(&v));
+                row.rounded.push(f);
+            }
+            let got = decode_units_for_check(unit, &bytes, &col_units, Decode::BOTH);
+            assert_eq!(got, want, "case {i} {values:?}");
+        }
+        assert!(accepted > 20_000, "the fast path must be taken: {accepted}");
     }
 
     #[test]

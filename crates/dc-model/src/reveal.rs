@@ -17,7 +17,9 @@ use dc_kernels::commit::{
     merkle_proof, merkle_root, product_row_leaf, quantized_row_leaf, row_leaf_at, LeafBatch,
 };
 use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_for_check, row_encoding, Decode, Opening};
+use dc_kernels::reveal::{
+    decode_for_check, decode_units_for_check, row_for_reveal, CheckedRow, Decode, Opening,
+};
 use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
@@ -67,12 +69,12 @@ impl Kept {
         index: usize,
         values: bool,
     ) -> Option<RevealedRow> {
-        let (cols, leaves, encoding) = match self {
+        let (cols, leaves, (unit, encoding)) = match self {
             Kept::Gemm(KeptProduct { acc, leaves }) => {
                 if index >= acc.rows {
                     return None;
                 }
-                let encoding = row_encoding(acc, index);
+                let encoding = row_for_reveal(acc, index);
                 // The leaves the commitment hashed, when it covered every row of the hop (it
                 // always does for a stage's own hop); otherwise hashed again.
                 let leaves: Vec<Commitment> = match leaves.len() == acc.rows {
@@ -85,10 +87,12 @@ impl Kept {
                 if index >= acc.rows {
                     return None;
                 }
+                let (unit, encoding) = row_for_reveal(acc, index);
                 return Some(RevealedRow {
                     point,
                     cols: acc.cols as u32,
-                    encoding: row_encoding(acc, index),
+                    unit,
+                    encoding,
                     root: Commitment::default(),
                     path: Vec::new(),
                 });
@@ -101,12 +105,13 @@ impl Kept {
                     true => rows.get(index)?.clone(),
                     false => Vec::new(),
                 };
-                (*cols, leaves.clone(), encoding)
+                (*cols, leaves.clone(), (None, encoding))
             }
         };
         Some(RevealedRow {
             point,
             cols: cols as u32,
+            unit,
             encoding,
             root: merkle_root(&leaves),
             path: merkle_proof(&leaves, index),
@@ -558,6 +563,13 @@ impl LayerChecker {
         self.layer
     }
 
+    /// The unit exponents of `point`'s columns, with which a row of it revealed in units form
+    /// is read (for tools and tests that read or rewrite revealed rows); `None` if the layer
+    /// has no such product.
+    pub fn col_units(&self, point: Point) -> Option<&[i32]> {
+        self.key(point).map(|(k, _)| k.col_units())
+    }
+
     /// Checks what a stage revealed of this layer in the last of `hops` — every hop the stage
     /// served in the generation, in order from position 0, each as its signed trace and its
     /// number of rows: every revealed row opens its commitment, the revealed cache rows (from
@@ -775,13 +787,16 @@ impl LayerChecker {
             if matches!(e.point, Point::Input | Point::Output) || !needed.contains(e.point) {
                 continue;
             }
-            let cols = match e.point {
-                Point::KvCache => cache.row_bytes(),
-                Point::Context => cfg.q_width(),
-                Point::Hidden => cfg.intermediate_size,
-                p => self.key(p).map(|(k, _)| k.cols()).ok_or_else(|| {
-                    format!("layer {l}: the trace commits a {p:?} product this layer lacks")
-                })?,
+            let (cols, key) = match e.point {
+                Point::KvCache => (cache.row_bytes(), None),
+                Point::Context => (cfg.q_width(), None),
+                Point::Hidden => (cfg.intermediate_size, None),
+                p => {
+                    let (key, _) = self.key(p).ok_or_else(|| {
+                        format!("layer {l}: the trace commits a {p:?} product this layer lacks")
+                    })?;
+                    (key.cols(), Some(key))
+                }
             };
             let row = the_row(e.point)?;
             let opening = Opening {
@@ -806,6 +821,12 @@ impl LayerChecker {
                 continue;
             }
             if matches!(e.point, Point::Context | Point::Hidden) {
+                if row.unit.is_some() {
+                    return Err(format!(
+                        "layer {l}: the {:?} row carries a product's unit",
+                        e.point
+                    ));
+                }
                 let committed = match needs.values(e.point) {
                     // The next product's input as committed.
                     true => {
@@ -841,7 +862,8 @@ impl LayerChecker {
                 residues: checks.contains(e.point),
                 rounded: true,
             };
-            let decoded = decode_for_check(&row.encoding, cols, want)
+            let key = key.ok_or_else(|| format!("layer {l}: {:?} is not a product", e.point))?;
+            let decoded = decode_product_row(row, key, want)
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             hashes.push(
                 Message::ProductRow(values.len()),
@@ -873,7 +895,7 @@ impl LayerChecker {
                     row.cols
                 ));
             }
-            let decoded = decode_for_check(&row.encoding, key.cols(), want)
+            let decoded = decode_product_row(row, key, want)
                 .map_err(|why| format!("layer {l}: the {point:?} row: {why}"))?;
             values.push(RevealedValues {
                 point,
@@ -1001,6 +1023,19 @@ impl LayerChecker {
             .iter()
             .find(|(p, _, _)| *p == point)
             .map(|(_, k, b)| (k, b.as_deref()))
+    }
+}
+
+/// A revealed weight product's row decoded for a check, in whichever form it travelled
+/// ([`row_for_reveal`]): in units form read with the checker's own column units.
+fn decode_product_row(
+    row: &RevealedRow,
+    key: &FreivaldsKey,
+    want: Decode,
+) -> std::result::Result<CheckedRow, String> {
+    match row.unit {
+        Some(unit) => decode_units_for_check(unit, &row.encoding, key.col_units(), want),
+        None => decode_for_check(&row.encoding, key.cols(), want),
     }
 }
 

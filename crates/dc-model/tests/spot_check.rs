@@ -9,8 +9,8 @@
 mod common;
 
 use common::*;
-use dc_kernels::commit::{gemm_commitment, product_row_leaf};
-use dc_kernels::reveal::{decode_row, leaf_of_encoding, values_encoding};
+use dc_kernels::commit::{exact_row_leaf, gemm_commitment, product_row_leaf};
+use dc_kernels::reveal::{decode_row, revealed_values, values_encoding};
 use dc_kernels::{Exact, Gemm, Kernel};
 use dc_model::attention::LayerCache;
 use dc_model::trace::{HopTrace, Point};
@@ -18,7 +18,7 @@ use dc_model::{
     check_parts, draw_checks, rows_needed, Activations, CacheLog, KeptHop, KvCache, LayerChecker,
     LoadOptions, Model,
 };
-use dc_types::{CheckSet, LayerReveal};
+use dc_types::{CheckSet, LayerReveal, RevealedRow};
 
 type Hop = (HopTrace, usize, KeptHop);
 
@@ -250,23 +250,42 @@ fn honest_reveals_pass_for_every_layer_and_row() {
     }
 }
 
-/// The exact values encoded in `encoding` (`cols` of them), the first nonzero one wrong by two
-/// units in the last place: a lie too small to move most roundings.
-fn nudged(encoding: &[u8], cols: usize) -> Vec<Exact> {
-    let mut values = decode_row(encoding, cols).unwrap();
-    let i = values.iter().position(|v| !v.is_zero()).unwrap();
-    if let Exact::Small { mant, exp } = values[i] {
-        values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
-    }
-    values
+/// The exact values of a revealed product row, in whichever form it travelled.
+fn values_of(c: &LayerChecker, row: &RevealedRow) -> Vec<Exact> {
+    revealed_values(row.unit, &row.encoding, c.col_units(row.point).unwrap()).unwrap()
 }
 
-/// Replaces the revealed row of `point` by `values` and re-commits it in `trace`, as a stage
-/// lying consistently about that product would (a one-row hop: the leaf is the root).
+/// Makes the row's first nonzero value wrong by two units of its last place, in the form the
+/// row travelled in (a lie too small to move most roundings); returns the row's values, the
+/// lie included.
+fn nudge(c: &LayerChecker, row: &mut RevealedRow) -> Vec<Exact> {
+    match row.unit {
+        Some(_) => {
+            let at = 8 * row
+                .encoding
+                .chunks_exact(8)
+                .position(|b| b != [0; 8])
+                .unwrap();
+            let sum = i64::from_le_bytes(row.encoding[at..at + 8].try_into().unwrap());
+            row.encoding[at..at + 8].copy_from_slice(&(sum + 2).to_le_bytes());
+        }
+        None => {
+            let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
+            let i = values.iter().position(|v| !v.is_zero()).unwrap();
+            if let Exact::Small { mant, exp } = values[i] {
+                values[i] = Exact::from_i64(mant.wrapping_add(2), exp);
+            }
+            row.encoding = values_encoding(&values);
+        }
+    }
+    values_of(c, row)
+}
+
+/// Re-commits the revealed row of `point` (holding `values`) in `trace`, as a stage lying
+/// consistently about that product would (a one-row hop: the leaf is the root).
 fn recommit(trace: &mut HopTrace, reveal: &mut LayerReveal, point: Point, values: &[Exact]) {
     let row = reveal.rows.iter_mut().find(|r| r.point == point).unwrap();
-    row.encoding = values_encoding(values);
-    row.root = leaf_of_encoding(reveal.position as usize, values.len(), &row.encoding).unwrap();
+    row.root = exact_row_leaf(reveal.position as usize, values);
     let c = gemm_commitment(1, values.len(), &row.root);
     let e = trace
         .entries
@@ -274,6 +293,66 @@ fn recommit(trace: &mut HopTrace, reveal: &mut LayerReveal, point: Point, values
         .find(|e| e.layer == reveal.layer && e.point == point)
         .unwrap();
     e.commitment = c;
+}
+
+#[test]
+fn product_rows_travel_in_units_and_either_form_is_checked() {
+    for name in TINY {
+        let (model, gemm, ids) = fixture(name, 1);
+        let stage = 0..model.config.num_layers;
+        let (hops, log) = stage_hops(&model, &gemm, stage.clone(), &ids, &[5, 1]);
+        let (trace, _, kept) = &hops[1];
+        let view = views(&hops, 1);
+        let c = &checkers(&model, stage.clone(), 3)[0];
+        let honest = kept
+            .reveal(c.layer(), trace.from, every(&model), 0, &log)
+            .unwrap();
+        let mut products = 0;
+        for row in &honest.rows {
+            match c.col_units(row.point) {
+                // A weight product's row: its unit and 8 bytes a value.
+                Some(units) => {
+                    assert!(row.unit.is_some(), "{name} {:?}", row.point);
+                    assert_eq!(
+                        row.encoding.len(),
+                        8 * units.len(),
+                        "{name} {:?}",
+                        row.point
+                    );
+                    products += 1;
+                }
+                None => assert_eq!(row.unit, None, "{name} {:?}", row.point),
+            }
+        }
+        assert!(products >= 6, "{name}: {products} product rows");
+        // The same values sent canonically pass too.
+        let mut canonical = honest.clone();
+        for row in canonical.rows.iter_mut().filter(|r| r.unit.is_some()) {
+            row.encoding = values_encoding(&values_of(c, row));
+            row.unit = None;
+        }
+        c.check(&model, &view, &empty(&model), &canonical, every(&model))
+            .unwrap();
+        // Malformed: a units row one value short, a unit claimed for a quantised row.
+        let mut short = honest.clone();
+        let row = short.rows.iter_mut().find(|r| r.unit.is_some()).unwrap();
+        row.encoding.truncate(row.encoding.len() - 8);
+        let err = c
+            .check(&model, &view, &empty(&model), &short, every(&model))
+            .unwrap_err();
+        assert!(err.contains("bytes in units form"), "{name}: {err}");
+        let mut claimed = honest.clone();
+        let row = claimed
+            .rows
+            .iter_mut()
+            .find(|r| r.point == Point::Hidden)
+            .unwrap();
+        row.unit = Some(0);
+        let err = c
+            .check(&model, &view, &empty(&model), &claimed, every(&model))
+            .unwrap_err();
+        assert!(err.contains("carries a product's unit"), "{name}: {err}");
+    }
 }
 
 #[test]
@@ -304,9 +383,7 @@ fn lies_in_a_reveal_are_refused() {
                 // A lie about one of the MLP's first products (no commitment of its own: the
                 // hidden row made of it is the stage's): wrong in one value by two units in
                 // the last place.
-                let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
-                let values = nudged(&row.encoding, row.cols as usize);
-                row.encoding = values_encoding(&values);
+                nudge(c, r.rows.iter_mut().find(|x| x.point == point).unwrap());
                 let err = c
                     .check(&model, &view, &empty(&model), &r, every(&model))
                     .unwrap_err();
@@ -339,8 +416,7 @@ fn lies_in_a_reveal_are_refused() {
             }
             // A consistent lie about one weight product: committed, opened, and wrong in one
             // value by two units in the last place.
-            let row = r.rows.iter().find(|x| x.point == point).unwrap();
-            let values = nudged(&row.encoding, row.cols as usize);
+            let values = nudge(c, r.rows.iter_mut().find(|x| x.point == point).unwrap());
             recommit(&mut t, &mut r, point, &values);
             let err = c
                 .check(
@@ -374,12 +450,14 @@ fn lies_in_a_reveal_are_refused() {
             // rounding (what the leaf hashes) changes. (A change too small to move a rounding
             // opens the commitment and fails Freivalds' test: the consistent lie above.)
             let mut r = honest.clone();
+            // (Sent canonically: a checker reads either form.)
             let row = r.rows.iter_mut().find(|x| x.point == point).unwrap();
-            let mut values = decode_row(&row.encoding, row.cols as usize).unwrap();
+            let mut values = values_of(c, row);
             let i = values.iter().position(|v| !v.is_zero()).unwrap();
             if let Exact::Small { mant, exp } = values[i] {
                 values[i] = Exact::from_i64(-mant, exp);
             }
+            row.unit = None;
             row.encoding = values_encoding(&values);
             let err = c
                 .check(&model, &view, &empty(&model), &r, every(&model))
@@ -704,11 +782,9 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
                     // A consistent lie about the product: wrong in one value by two units in
                     // the last place (an MLP first product's row has no commitment of its
                     // own to redo: the hidden row made of it is the stage's).
-                    let row = r.rows.iter_mut().find(|x| x.point == part).unwrap();
-                    let values = nudged(&row.encoding, row.cols as usize);
-                    match part.output_committed() {
-                        true => recommit(&mut t, &mut r, part, &values),
-                        false => row.encoding = values_encoding(&values),
+                    let values = nudge(c, r.rows.iter_mut().find(|x| x.point == part).unwrap());
+                    if part.output_committed() {
+                        recommit(&mut t, &mut r, part, &values);
                     }
                     "Freivalds"
                 }
@@ -796,9 +872,7 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
             if check_parts(&model.config).contains(&drawn) {
                 let checks = CheckSet::of(&[drawn]);
                 let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
-                let row = r.rows.iter_mut().find(|x| x.point == lying).unwrap();
-                let values = nudged(&row.encoding, row.cols as usize);
-                row.encoding = values_encoding(&values);
+                nudge(c, r.rows.iter_mut().find(|x| x.point == lying).unwrap());
                 let err = c
                     .check(&model, &view, &empty(&model), &r, checks)
                     .unwrap_err();
@@ -935,10 +1009,9 @@ fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
         };
         let bad = at(&r, rows - 1);
         let cols = r.rows[bad].cols as usize;
-        let values = nudged(&r.rows[bad].encoding, cols);
-        r.rows[bad].encoding = values_encoding(&values);
+        nudge(c, &mut r.rows[bad]);
         let leaves: Vec<_> = (0..rows)
-            .map(|i| leaf_of_encoding(from + i, cols, &r.rows[at(&r, i)].encoding).unwrap())
+            .map(|i| exact_row_leaf(from + i, &values_of(c, &r.rows[at(&r, i)])))
             .collect();
         let root = merkle_root(&leaves);
         for i in 0..rows {

@@ -27,7 +27,10 @@ pub use wire::{decode, encode, WireError};
 /// 7: the attention context commits as the output projection takes it, quantised (leaf
 ///    `H_quantized_row`, like the hidden row), not as its f32 outputs; a revealed context row
 ///    is its quantised bytes.
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 8: a revealed product row travels in units form (`RevealedRow::unit`: the row's unit and
+///    each value's `i64` sum, 8 bytes a value instead of the canonical encoding's 12); the
+///    commitments and hop records are protocol 7's.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an

@@ -297,10 +297,17 @@ pub struct RevealedRow {
     pub point: crate::trace::Point,
     /// Values in the row.
     pub cols: u32,
-    /// A weight product's row: the canonical encoding of its exact accumulators (NUMERICS.md
-    /// §5; its leaf hashes their f32 roundings). The attention context's and the MLP's hidden
-    /// row: the row quantised as the next product takes it (`QuantizedRows::encode_row`). As
-    /// one block of bytes like `cache`.
+    /// A weight product's row in units form: the row's unit exponent, `encoding` then holding
+    /// each value's `i64` sum (8 bytes, little-endian), column `c` worth `sum · 2^(unit +
+    /// u_c)` with `u_c` the smallest block exponent of the weights' column `c`, which the
+    /// checker takes from its own copy (`dc_kernels::reveal::row_for_reveal`). `None` for the
+    /// other encodings.
+    pub unit: Option<i32>,
+    /// A weight product's row: its exact accumulators, in units form (`unit`) or, when a value
+    /// has no `i64` sum in the row's units, in canonical encoding (NUMERICS.md §5); its leaf
+    /// hashes their f32 roundings. The attention context's and the MLP's hidden row: the row
+    /// quantised as the next product takes it (`QuantizedRows::encode_row`). As one block of
+    /// bytes like `cache`.
     #[serde(with = "serde_bytes")]
     pub encoding: Vec<u8>,
     /// The Merkle root of the product's rows.

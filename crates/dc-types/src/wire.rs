@@ -71,6 +71,7 @@ mod tests {
     struct ByteByByte {
         point: Point,
         cols: u32,
+        unit: Option<i32>,
         encoding: Vec<u8>,
         root: Commitment,
         path: Vec<Commitment>,
@@ -80,6 +81,7 @@ mod tests {
         RevealedRow {
             point: Point::Down,
             cols: 3,
+            unit: Some(-3),
             encoding: (0..=255u8).cycle().take(1000).collect(),
             root: Commitment([7; 32]),
             path: vec![Commitment([1; 32]), Commitment([2; 32])],
@@ -92,6 +94,7 @@ mod tests {
         let old = ByteByByte {
             point: r.point,
             cols: r.cols,
+            unit: r.unit,
             encoding: r.encoding.clone(),
             root: r.root,
             path: r.path.clone(),

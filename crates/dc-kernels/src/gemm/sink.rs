@@ -180,6 +180,21 @@ impl Accumulators {
         self.sums.len() * 8 + self.row_unit.len() * 4 + self.wide.len() * 64
     }
 
+    /// Row `row` as the kernels keep it, when every element is an `i64` in its unit (always,
+    /// for a fast kernel's row): the row's unit exponent and the sums, column `c` being worth
+    /// `sum · 2^(unit + col_units()[c])`. `None` if an element is wide.
+    pub fn row_in_units(&self, row: usize) -> Option<(i32, &[i64])> {
+        assert!(row < self.rows, "row out of range");
+        let sums = &self.sums[row * self.cols..(row + 1) * self.cols];
+        (!sums.contains(&WIDE)).then_some((self.row_unit[row], sums))
+    }
+
+    /// Each column's unit exponent: for a kernel's accumulators, the smallest block exponent
+    /// of the weights' column (what a checker holding the same weights computes itself).
+    pub fn col_units(&self) -> &[i32] {
+        &self.col_unit[..self.cols]
+    }
+
     /// Row `row`'s elements as stored: each `Some((sum, unit))` (the value `sum · 2^unit`), or
     /// `None` for a wide one ([`Accumulators::get`] gives it).
     pub(crate) fn row_sums(&self, row: usize) -> impl Iterator<Item = Option<(i64, i32)>> + '_ {
@@ -553,5 +568,24 @@ mod tests {
         again[4] = wide;
         assert_eq!(acc, Accumulators::from_values(2, 3, &again));
         assert_ne!(acc, Accumulators::from_values(2, 3, &values));
+    }
+
+    #[test]
+    fn a_row_in_units_holds_its_values_unless_one_is_wide() {
+        let values = vec![
+            Exact::from_i64(12, 3),
+            Exact::ZERO,
+            Exact::from_i64(-7, -4),
+            Exact::from_i128(-((1i128 << 70) + 1), -5),
+            Exact::from_i64(5, 0),
+            Exact::from_i64(1, 2),
+        ];
+        let acc = Accumulators::from_values(2, 3, &values);
+        let (unit, sums) = acc.row_in_units(0).unwrap();
+        for (c, &sum) in sums.iter().enumerate() {
+            let exp = unit + acc.col_units()[c];
+            assert_eq!(Exact::from_i64(sum, exp), values[c], "column {c}");
+        }
+        assert_eq!(acc.row_in_units(1), None, "a wide value has no sum");
     }
 }
