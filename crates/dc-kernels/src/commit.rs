@@ -751,6 +751,75 @@ pub fn merkle_proof(leaves: &[Commitment], index: usize) -> Vec<Commitment> {
     path
 }
 
+/// A Merkle tree of [`merkle_root`]'s shape with every node kept, so that the audit paths of
+/// many leaves cost one hash per node in all (a reveal of a prefill hop's rows opens every row
+/// of a product: [`merkle_proof`] leaf by leaf rehashes the whole tree for each).
+#[derive(Clone, Debug)]
+pub struct MerkleTree {
+    /// Each node's hash and, for an inner node, its children's places; the root last.
+    nodes: Vec<(Commitment, Option<(u32, u32)>)>,
+    leaves: usize,
+}
+
+impl MerkleTree {
+    /// The tree over `leaves`.
+    pub fn new(leaves: &[Commitment]) -> MerkleTree {
+        fn build(leaves: &[Commitment], nodes: &mut Vec<(Commitment, Option<(u32, u32)>)>) {
+            if leaves.len() == 1 {
+                nodes.push((leaves[0], None));
+                return;
+            }
+            let k = split(leaves.len());
+            build(&leaves[..k], nodes);
+            let left = nodes.len() - 1;
+            build(&leaves[k..], nodes);
+            let right = nodes.len() - 1;
+            let hash = node(&nodes[left].0, &nodes[right].0);
+            nodes.push((hash, Some((left as u32, right as u32))));
+        }
+        let mut nodes = Vec::with_capacity(2 * leaves.len());
+        if !leaves.is_empty() {
+            build(leaves, &mut nodes);
+        }
+        MerkleTree {
+            nodes,
+            leaves: leaves.len(),
+        }
+    }
+
+    /// The root ([`merkle_root`] of the leaves).
+    pub fn root(&self) -> Commitment {
+        self.nodes
+            .last()
+            .map_or_else(|| merkle_root(&[]), |&(hash, _)| hash)
+    }
+
+    /// The audit path of leaf `index` ([`merkle_proof`]).
+    pub fn proof(&self, index: usize) -> Vec<Commitment> {
+        assert!(index < self.leaves, "leaf index out of range");
+        let mut path = Vec::new();
+        let (mut at, mut len, mut i) = (self.nodes.len() - 1, self.leaves, index);
+        while let (_, Some((left, right))) = self.nodes[at] {
+            let k = split(len);
+            // Down the side holding leaf `i`: the first `k` leaves, or the rest.
+            let (next, sibling) = match i < k {
+                true => {
+                    len = k;
+                    (left, right)
+                }
+                false => {
+                    (i, len) = (i - k, len - k);
+                    (right, left)
+                }
+            };
+            path.push(self.nodes[sibling as usize].0);
+            at = next as usize;
+        }
+        path.reverse();
+        path
+    }
+}
+
 /// Checks that `leaf` is leaf `index` of a tree of `count` leaves with root `root`.
 pub fn verify_merkle(
     root: &Commitment,
@@ -792,6 +861,18 @@ mod tests {
 
     fn leaves(n: usize) -> Vec<Commitment> {
         (0..n).map(|i| Domain::GemmRow.hash(&[i as u8])).collect()
+    }
+
+    #[test]
+    fn a_kept_tree_gives_every_root_and_path_the_leaves_give() {
+        for n in 0..70 {
+            let l = leaves(n);
+            let tree = MerkleTree::new(&l);
+            assert_eq!(tree.root(), merkle_root(&l), "{n} leaves");
+            for i in 0..n {
+                assert_eq!(tree.proof(i), merkle_proof(&l, i), "{n} leaves, leaf {i}");
+            }
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ use crate::commit::{
 };
 use crate::exact::{round_i64_fast, Exact};
 use crate::gemm::Accumulators;
+use crate::gemm::WIDE;
 
 /// Most limbs a wide value may have on the wire (a real accumulator needs at most a handful).
 pub const MAX_WIDE_LIMBS: usize = 64;
@@ -29,12 +30,17 @@ pub fn row_encoding(acc: &Accumulators, row: usize) -> Vec<u8> {
 /// when every value has such a sum, which a kernel's row always does; otherwise (`None`) the
 /// canonical encoding. Either way no value is put in canonical form on the stage's side.
 pub fn row_for_reveal(acc: &Accumulators, row: usize) -> (Option<i32>, Vec<u8>) {
-    match acc.row_in_units(row) {
-        Some((unit, sums)) => (
-            Some(unit),
-            sums.iter().flat_map(|s| s.to_le_bytes()).collect(),
-        ),
-        None => (None, row_encoding(acc, row)),
+    let (unit, sums) = acc.row_as_kept(row);
+    // Copied and looked over for the wide marker in one pass.
+    let mut out = vec![0u8; sums.len() * 8];
+    let mut wide = false;
+    for (bytes, &sum) in out.chunks_exact_mut(8).zip(sums) {
+        wide |= sum == WIDE;
+        bytes.copy_from_slice(&sum.to_le_bytes());
+    }
+    match wide {
+        false => (Some(unit), out),
+        true => (None, row_encoding(acc, row)),
     }
 }
 

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use dc_kernels::commit::{
-    merkle_proof, merkle_root, product_row_leaf, quantized_row_leaf, row_leaf_at, LeafBatch,
+    product_row_leaf, quantized_row_leaf, row_leaf_at, LeafBatch, MerkleTree,
 };
 use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::reveal::{
@@ -59,34 +59,40 @@ impl Kept {
         }
     }
 
-    /// The row at `index` with its Merkle path, for a product whose first row is at `first`
-    /// (a product kept as leaves with its encoding only if `values` and it was kept; a source
-    /// with its encoding and no path).
+    /// The Merkle tree of the product's rows, for a product whose first row is at `first`
+    /// (`None` for a source, which has none): built once for every row a reveal opens.
+    fn tree(&self, first: usize) -> Option<MerkleTree> {
+        match self {
+            // The leaves the commitment hashed, when it covered every row of the hop (it
+            // always does for a stage's own hop); otherwise hashed again.
+            Kept::Gemm(KeptProduct { acc, leaves }) => Some(match leaves.len() == acc.rows {
+                true => MerkleTree::new(leaves),
+                false => MerkleTree::new(
+                    &(0..acc.rows)
+                        .map(|r| row_leaf_at(acc, r, first))
+                        .collect::<Vec<_>>(),
+                ),
+            }),
+            Kept::Leaves { leaves, .. } => Some(MerkleTree::new(leaves)),
+            Kept::Source(_) => None,
+        }
+    }
+
+    /// The row at `index` with its path in `tree` ([`Kept::tree`]; a product kept as leaves
+    /// with its encoding only if `values` and it was kept; a source with its encoding and no
+    /// path).
     fn reveal(
         &self,
         point: Point,
-        first: usize,
         index: usize,
         values: bool,
+        tree: Option<&MerkleTree>,
     ) -> Option<RevealedRow> {
-        let (cols, leaves, (unit, encoding)) = match self {
-            Kept::Gemm(KeptProduct { acc, leaves }) => {
-                if index >= acc.rows {
-                    return None;
-                }
-                let encoding = row_for_reveal(acc, index);
-                // The leaves the commitment hashed, when it covered every row of the hop (it
-                // always does for a stage's own hop); otherwise hashed again.
-                let leaves: Vec<Commitment> = match leaves.len() == acc.rows {
-                    true => leaves.clone(),
-                    false => (0..acc.rows).map(|r| row_leaf_at(acc, r, first)).collect(),
-                };
-                (acc.cols, leaves, encoding)
+        let (cols, (unit, encoding)) = match self {
+            Kept::Gemm(KeptProduct { acc, .. }) if index < acc.rows => {
+                (acc.cols, row_for_reveal(acc, index))
             }
-            Kept::Source(acc) => {
-                if index >= acc.rows {
-                    return None;
-                }
+            Kept::Source(acc) if index < acc.rows => {
                 let (unit, encoding) = row_for_reveal(acc, index);
                 return Some(RevealedRow {
                     point,
@@ -97,24 +103,23 @@ impl Kept {
                     path: Vec::new(),
                 });
             }
-            Kept::Leaves { cols, leaves, rows } => {
-                if index >= leaves.len() {
-                    return None;
-                }
+            Kept::Leaves { cols, leaves, rows } if index < leaves.len() => {
                 let encoding = match values {
                     true => rows.get(index)?.clone(),
                     false => Vec::new(),
                 };
-                (*cols, leaves.clone(), (None, encoding))
+                (*cols, (None, encoding))
             }
+            _ => return None,
         };
+        let tree = tree?;
         Some(RevealedRow {
             point,
             cols: cols as u32,
             unit,
             encoding,
-            root: merkle_root(&leaves),
-            path: merkle_proof(&leaves, index),
+            root: tree.root(),
+            path: tree.proof(index),
         })
     }
 }
@@ -300,15 +305,19 @@ impl KeptHop {
             None => self.output.as_ref().ok_or("the hop did not finish")?,
         };
         let needs = rows_needed(checks);
+        // Each needed product's tree once, whatever the rows opened in it.
+        let needed: Vec<(Point, &Kept, Option<MerkleTree>)> = l
+            .products
+            .iter()
+            .filter(|(p, _)| needs.rows.contains(*p))
+            .map(|(p, k)| (*p, k, k.tree(first)))
+            .collect();
         let rows = (index..index + positions)
             .flat_map(|index| {
-                l.products
-                    .iter()
-                    .filter(|(p, _)| needs.rows.contains(*p))
-                    .map(move |(p, k)| {
-                        k.reveal(*p, first, index, needs.values(*p))
-                            .ok_or("a kept product is short")
-                    })
+                needed.iter().map(move |(p, k, tree)| {
+                    k.reveal(*p, index, needs.values(*p), tree.as_ref())
+                        .ok_or("a kept product is short")
+                })
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let end = first + l.input.rows();

@@ -20,6 +20,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 pub use sink::Accumulators;
+pub(crate) use sink::WIDE;
 
 use crate::error::{KernelError, Result};
 use crate::pack::PackedWeights;

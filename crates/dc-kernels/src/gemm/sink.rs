@@ -180,13 +180,15 @@ impl Accumulators {
         self.sums.len() * 8 + self.row_unit.len() * 4 + self.wide.len() * 64
     }
 
-    /// Row `row` as the kernels keep it, when every element is an `i64` in its unit (always,
-    /// for a fast kernel's row): the row's unit exponent and the sums, column `c` being worth
-    /// `sum · 2^(unit + col_units()[c])`. `None` if an element is wide.
-    pub fn row_in_units(&self, row: usize) -> Option<(i32, &[i64])> {
+    /// Row `row` as the kernels keep it: the row's unit exponent and each element's sum,
+    /// column `c` being worth `sum · 2^(unit + col_units()[c])`, except that a sum of
+    /// [`WIDE`] (never a fast kernel's) marks an element kept whole ([`Accumulators::get`]).
+    pub fn row_as_kept(&self, row: usize) -> (i32, &[i64]) {
         assert!(row < self.rows, "row out of range");
-        let sums = &self.sums[row * self.cols..(row + 1) * self.cols];
-        (!sums.contains(&WIDE)).then_some((self.row_unit[row], sums))
+        (
+            self.row_unit[row],
+            &self.sums[row * self.cols..(row + 1) * self.cols],
+        )
     }
 
     /// Each column's unit exponent: for a kernel's accumulators, the smallest block exponent
@@ -571,7 +573,7 @@ mod tests {
     }
 
     #[test]
-    fn a_row_in_units_holds_its_values_unless_one_is_wide() {
+    fn a_row_as_kept_holds_its_values_and_marks_a_wide_one() {
         let values = vec![
             Exact::from_i64(12, 3),
             Exact::ZERO,
@@ -581,11 +583,11 @@ mod tests {
             Exact::from_i64(1, 2),
         ];
         let acc = Accumulators::from_values(2, 3, &values);
-        let (unit, sums) = acc.row_in_units(0).unwrap();
+        let (unit, sums) = acc.row_as_kept(0);
         for (c, &sum) in sums.iter().enumerate() {
             let exp = unit + acc.col_units()[c];
             assert_eq!(Exact::from_i64(sum, exp), values[c], "column {c}");
         }
-        assert_eq!(acc.row_in_units(1), None, "a wide value has no sum");
+        assert_eq!(acc.row_as_kept(1).1[0], WIDE, "a wide value has no sum");
     }
 }
