@@ -31,17 +31,17 @@ pub fn row_encoding(acc: &Accumulators, row: usize) -> Vec<u8> {
 /// canonical encoding. Either way no value is put in canonical form on the stage's side.
 pub fn row_for_reveal(acc: &Accumulators, row: usize) -> (Option<i32>, Vec<u8>) {
     let (unit, sums) = acc.row_as_kept(row);
-    // Copied and looked over for the wide marker in one pass.
-    let mut out = vec![0u8; sums.len() * 8];
-    let mut wide = false;
-    for (bytes, &sum) in out.chunks_exact_mut(8).zip(sums) {
-        wide |= sum == WIDE;
-        bytes.copy_from_slice(&sum.to_le_bytes());
+    if sums.contains(&WIDE) {
+        return (None, row_encoding(acc, row));
     }
-    match wide {
-        false => (Some(unit), out),
-        true => (None, row_encoding(acc, row)),
-    }
+    let bytes = match cfg!(target_endian = "little") {
+        // SAFETY: an `i64` slice is valid as bytes (no padding, and `u8` needs no alignment),
+        // and on a little-endian machine those bytes are the sums' LE encodings.
+        true => unsafe { std::slice::from_raw_parts(sums.as_ptr().cast::<u8>(), sums.len() * 8) }
+            .to_vec(),
+        false => sums.iter().flat_map(|s| s.to_le_bytes()).collect(),
+    };
+    (Some(unit), bytes)
 }
 
 /// The exponents a value in units form may have (`unit + col_unit`): far beyond any product's
@@ -363,7 +363,10 @@ pub fn decode_units_small(
         "a sum per column, a unit in range, and one output per value"
     );
     // A column unit far out (none of a real product's) could overflow the lanes' sums.
-    if col_units.iter().any(|cu| !UNITS_EXP.contains(cu)) {
+    let (lo, hi) = col_units
+        .iter()
+        .fold((0, 0), |(lo, hi): (i32, i32), &cu| (lo.min(cu), hi.max(cu)));
+    if !UNITS_EXP.contains(&lo) || !UNITS_EXP.contains(&hi) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
