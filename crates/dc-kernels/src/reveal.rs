@@ -900,6 +900,37 @@ mod tests {
         (mant, exp)
     }
 
+    /// Runs a fast decoding of a row of `cols` values and its scalar definition into every
+    /// choice of outputs: the same verdict and, when accepted, the same bits. Returns how many
+    /// choices were accepted.
+    fn same_as_scalar(
+        cols: usize,
+        case: &str,
+        fast: impl Fn(&mut [u64], &mut [f32]) -> bool,
+        scalar: impl Fn(&mut [u64], &mut [f32]) -> bool,
+    ) -> usize {
+        let mut accepted = 0;
+        for (res, f32s) in [(true, true), (true, false), (false, true), (false, false)] {
+            let outputs = || {
+                (
+                    vec![0u64; if res { cols } else { 0 }],
+                    vec![0f32; if f32s { cols } else { 0 }],
+                )
+            };
+            let (mut r1, mut f1) = outputs();
+            let (mut r2, mut f2) = outputs();
+            let ok = fast(&mut r1, &mut f1);
+            assert_eq!(ok, scalar(&mut r2, &mut f2), "{case}");
+            if ok {
+                accepted += 1;
+                assert_eq!(r1, r2, "{case}");
+                let bits = |f: &[f32]| f.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&f1), bits(&f2), "{case}");
+            }
+        }
+        accepted
+    }
+
     #[test]
     fn the_fast_decoding_is_its_scalar_definition() {
         let mut rng = crate::rng::SplitMix64::new(23);
@@ -922,25 +953,12 @@ mod tests {
                 .iter()
                 .flat_map(|(m, e)| m.to_le_bytes().into_iter().chain(e.to_le_bytes()))
                 .collect();
-            for (res, f32s) in [(true, true), (true, false), (false, true), (false, false)] {
-                let outputs = || {
-                    (
-                        vec![0u64; if res { cols } else { 0 }],
-                        vec![0f32; if f32s { cols } else { 0 }],
-                    )
-                };
-                let (mut r1, mut f1) = outputs();
-                let (mut r2, mut f2) = outputs();
-                let fast = decode_small(&bytes, &mut r1, &mut f1);
-                let scalar = decode_small_scalar(&bytes, &mut r2, &mut f2);
-                assert_eq!(fast, scalar, "case {i} {values:?}");
-                if fast {
-                    accepted += 1;
-                    assert_eq!(r1, r2, "case {i} {values:?}");
-                    let bits = |f: &[f32]| f.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&f1), bits(&f2), "case {i} {values:?}");
-                }
-            }
+            accepted += same_as_scalar(
+                cols,
+                &format!("case {i} {values:?}"),
+                |r, f| decode_small(&bytes, r, f),
+                |r, f| decode_small_scalar(&bytes, r, f),
+            );
             // And through the entry point, against decoding then reducing and rounding.
             assert_eq!(
                 decode_for_check(&bytes, cols, Decode::BOTH),
@@ -991,25 +1009,12 @@ mod tests {
                 .collect();
             let bytes: Vec<u8> = values.iter().flat_map(|(m, _)| m.to_le_bytes()).collect();
             let col_units: Vec<i32> = values.iter().map(|&(_, cu)| cu).collect();
-            for (res, f32s) in [(true, true), (true, false), (false, true), (false, false)] {
-                let outputs = || {
-                    (
-                        vec![0u64; if res { cols } else { 0 }],
-                        vec![0f32; if f32s { cols } else { 0 }],
-                    )
-                };
-                let (mut r1, mut f1) = outputs();
-                let (mut r2, mut f2) = outputs();
-                let fast = decode_units_small(&bytes, unit, &col_units, &mut r1, &mut f1);
-                let scalar = decode_units_small_scalar(&bytes, unit, &col_units, &mut r2, &mut f2);
-                assert_eq!(fast, scalar, "case {i} {values:?}");
-                if fast {
-                    accepted += 1;
-                    assert_eq!(r1, r2, "case {i} {values:?}");
-                    let bits = |f: &[f32]| f.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&f1), bits(&f2), "case {i} {values:?}");
-                }
-            }
+            accepted += same_as_scalar(
+                cols,
+                &format!("case {i} {values:?}"),
+                |r, f| decode_units_small(&bytes, unit, &col_units, r, f),
+                |r, f| decode_units_small_scalar(&bytes, unit, &col_units, r, f),
+            );
             // And through the entry point, against the definition value by value: the first
             // wide marker or overflow refused, otherwise each value reduced and rounded.
             let mut want = Ok(CheckedRow {
