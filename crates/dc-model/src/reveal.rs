@@ -124,15 +124,21 @@ impl Kept {
     }
 }
 
+/// Positions per chunk of a layer's [`CacheLog`].
+const LOG_CHUNK: usize = 64;
+
 /// The KV cache rows a stage produced in a generation, per layer, in canonical encoding: what
 /// it reveals so a checker can recompute attention. Kept apart from the live cache, which a
 /// running hop holds while a reveal of the previous hop may be asked for.
 #[derive(Clone, Debug, Default)]
 pub struct CacheLog {
     first_layer: usize,
-    /// Per layer, the rows of positions `0..` concatenated (shared with reveals in flight: a
-    /// clone of the log costs no copy, and an append copies only if a reveal still holds it).
-    rows: Vec<Arc<Vec<u8>>>,
+    /// Per layer, the rows of positions `0..` in chunks of [`LOG_CHUNK`] positions, each
+    /// shared with reveals in flight: a clone of the log copies no rows, and an append copies
+    /// at most the chunk it writes into, if a reveal still holds that (with the layer's rows in
+    /// one block, an append during a reveal copied all of them: a cost that grew with the
+    /// generation).
+    rows: Vec<Vec<Arc<Vec<u8>>>>,
     row_bytes: usize,
     len: usize,
 }
@@ -143,15 +149,21 @@ impl CacheLog {
         let layers = cache.layers();
         if self.rows.is_empty() {
             self.first_layer = layers.start;
-            self.rows = layers.clone().map(|_| Arc::new(Vec::new())).collect();
+            self.rows = layers.clone().map(|_| Vec::new()).collect();
         }
         let end = cache.len();
-        for (l, out) in layers.zip(self.rows.iter_mut()) {
+        for (l, chunks) in layers.zip(self.rows.iter_mut()) {
             if let Some(c) = cache.layer(l) {
-                self.row_bytes = c.row_bytes();
-                let out = Arc::make_mut(out);
+                let rb = c.row_bytes();
+                self.row_bytes = rb;
                 for pos in self.len..end {
-                    c.encode_row(pos, out);
+                    let full = |chunk: &Arc<Vec<u8>>| chunk.len() >= LOG_CHUNK * rb;
+                    if chunks.last().is_none_or(full) {
+                        chunks.push(Arc::new(Vec::with_capacity(LOG_CHUNK * rb)));
+                    }
+                    if let Some(last) = chunks.last_mut() {
+                        c.encode_row(pos, Arc::make_mut(last));
+                    }
                 }
             }
         }
@@ -160,7 +172,7 @@ impl CacheLog {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.rows.iter().map(|r| r.len()).sum()
+        self.rows.iter().flatten().map(|c| c.len()).sum()
     }
 
     /// Bytes of one position's row in one layer (0 before anything is logged).
@@ -169,14 +181,29 @@ impl CacheLog {
     }
 
     /// The rows of `layer` at positions `0..end`, if logged.
-    pub fn rows(&self, layer: usize, end: usize) -> Option<&[u8]> {
+    pub fn rows(&self, layer: usize, end: usize) -> Option<Vec<u8>> {
         self.rows_between(layer, 0, end)
     }
 
     /// The rows of `layer` at positions `from..end`, if logged.
-    pub fn rows_between(&self, layer: usize, from: usize, end: usize) -> Option<&[u8]> {
-        let rows = self.rows.get(layer.checked_sub(self.first_layer)?)?;
-        rows.get(from.checked_mul(self.row_bytes)?..end.checked_mul(self.row_bytes)?)
+    pub fn rows_between(&self, layer: usize, from: usize, end: usize) -> Option<Vec<u8>> {
+        let chunks = self.rows.get(layer.checked_sub(self.first_layer)?)?;
+        let rb = self.row_bytes;
+        let held: usize = chunks.iter().map(|c| c.len()).sum();
+        if from > end || end.checked_mul(rb)? > held {
+            return None;
+        }
+        let mut out = Vec::with_capacity((end - from) * rb);
+        let mut pos = from;
+        // (Nothing to copy when no row has bytes.)
+        while pos < end && rb > 0 {
+            // Every chunk but the last is full, so position `pos` is in chunk `pos / LOG_CHUNK`.
+            let (chunk, at) = (pos / LOG_CHUNK, pos % LOG_CHUNK);
+            let take = (LOG_CHUNK - at).min(end - pos);
+            out.extend_from_slice(&chunks[chunk][at * rb..(at + take) * rb]);
+            pos += take;
+        }
+        Some(out)
     }
 }
 
@@ -330,7 +357,7 @@ impl KeptHop {
             true => log.rows_between(layer, cache_from, end).ok_or_else(|| {
                 format!("the cache rows of layer {layer} up to {end} are not kept")
             })?,
-            false => &[],
+            false => Vec::new(),
         };
         // Activations a check does not need travel as no rows.
         let wire_if = |a: &Activations, needed: bool| match needed {
@@ -347,7 +374,7 @@ impl KeptHop {
             input: wire_if(&l.input, needs.input),
             next: wire_if(next, needs.next),
             rows,
-            cache: cache.to_vec(),
+            cache,
         })
     }
 }
@@ -1441,5 +1468,73 @@ impl Products for Revealed<'_, '_> {
         self.cache.extend_encoded(self.cache_row)?;
         attend(self.shape, self.cache, q, start, &mut ctx, layer)?;
         Ok(ctx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use super::*;
+    use crate::config::ModelConfig;
+
+    /// Appends positions `from..to` to both layers of `cache`, each row's values made from its
+    /// position and layer.
+    fn fill(cfg: &ModelConfig, cache: &mut KvCache, from: usize, to: usize) {
+        let w = cfg.kv_width();
+        for pos in from..to {
+            for l in 0..2 {
+                let value =
+                    |i: usize, salt: usize| ((pos * 7 + i * 3 + l + salt) % 23) as f32 - 11.0;
+                let k: Vec<f32> = (0..w).map(|i| value(i, 0)).collect();
+                let v: Vec<f32> = (0..w).map(|i| value(i, 5)).collect();
+                cache.layer_mut(l).unwrap().append(&k, &v).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn the_cache_log_reads_across_chunks_and_copies_only_the_chunk_it_writes_into() {
+        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 32, "max_position_embeddings": 512, "rms_norm_eps": 1e-5
+        }))
+        .unwrap();
+        let mut cache = KvCache::new(&cfg, 0..2);
+        let mut log = CacheLog::default();
+        fill(&cfg, &mut cache, 0, 100);
+        log.record(&cache);
+        // A reveal in flight holds the log while the next hop appends.
+        let held = log.clone();
+        fill(&cfg, &mut cache, 100, 150);
+        log.record(&cache);
+        for l in 0..2 {
+            let c = cache.layer(l).unwrap();
+            for (a, b) in [
+                (0, 150),
+                (0, 64),
+                (63, 65),
+                (64, 128),
+                (99, 101),
+                (127, 150),
+                (7, 7),
+            ] {
+                assert_eq!(
+                    log.rows_between(l, a, b).unwrap(),
+                    c.encode_rows(a..b),
+                    "layer {l}, {a}..{b}"
+                );
+            }
+            assert!(log.rows(l, 151).is_none() && log.rows_between(l, 5, 4).is_none());
+            // The held log still reads what it held, and no more.
+            assert_eq!(held.rows(l, 100).unwrap(), c.encode_rows(0..100));
+            assert!(held.rows(l, 101).is_none());
+            // The full chunk stays shared; the one written into was copied for the log alone.
+            assert!(Arc::ptr_eq(&held.rows[l][0], &log.rows[l][0]));
+            assert!(!Arc::ptr_eq(&held.rows[l][1], &log.rows[l][1]));
+        }
+        assert_eq!(log.bytes(), 2 * 150 * log.row_bytes());
+        assert!(log.rows(2, 1).is_none(), "no such layer");
     }
 }

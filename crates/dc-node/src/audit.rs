@@ -236,6 +236,12 @@ pub async fn audit(
     let Some(last) = log.inputs.last() else {
         return false;
     };
+    // A peer already proven to lie is out: every step it served is recomputed elsewhere, so
+    // replaying one of its hops (a reveal it no longer answers, an audit coin drawn before the
+    // proof) would only spend an auditor's time.
+    if node.is_excluded(&seg.peer) {
+        return false;
+    }
     // One audit of a stage at a time: they share the auditor's cache.
     let mut session = session.lock().await;
     let keep = session.auditor.clone().filter(|a| {

@@ -520,7 +520,6 @@ pub async fn serve_cache_rows(
         .as_range()
         .map(|l| {
             log.rows_between(l, from, end)
-                .map(<[u8]>::to_vec)
                 .ok_or_else(|| format!("layer {l} holds fewer than {end} positions here"))
         })
         .collect::<Result<Vec<_>, _>>()?;
