@@ -345,7 +345,7 @@ fn small_value(mant: i64, exp: i32, i: usize, residues: &mut [u64], rounded: &mu
 }
 
 /// [`decode_small`] of a row in units form: `bytes` holding one sum per column of
-/// `col_units`, with `unit` in [`UNITS_EXP`]; false, with the outputs meaningless, when any
+/// `col_units`, with `unit` within ±2^20; false, with the outputs meaningless, when any
 /// value is unusual or the wide marker (which [`decode_units_for_check`] then refuses).
 pub fn decode_units_small(
     bytes: &[u8],

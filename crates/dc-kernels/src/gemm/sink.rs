@@ -182,7 +182,7 @@ impl Accumulators {
 
     /// Row `row` as the kernels keep it: the row's unit exponent and each element's sum,
     /// column `c` being worth `sum · 2^(unit + col_units()[c])`, except that a sum of
-    /// [`WIDE`] (never a fast kernel's) marks an element kept whole ([`Accumulators::get`]).
+    /// `i64::MIN` (never a fast kernel's) marks an element kept whole ([`Accumulators::get`]).
     pub fn row_as_kept(&self, row: usize) -> (i32, &[i64]) {
         assert!(row < self.rows, "row out of range");
         (
