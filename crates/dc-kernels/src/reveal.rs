@@ -12,8 +12,7 @@ use crate::commit::{
     encode_row, encode_values, gemm_commitment, product_row_leaf, verify_merkle, Commitment,
 };
 use crate::exact::{round_i64_fast, Exact};
-use crate::gemm::Accumulators;
-use crate::gemm::WIDE;
+use crate::gemm::{Accumulators, WIDE};
 
 /// Most limbs a wide value may have on the wire (a real accumulator needs at most a handful).
 pub const MAX_WIDE_LIMBS: usize = 64;
