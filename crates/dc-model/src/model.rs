@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
+use dc_kernels::quant::{BLOCK, ROW_BYTES_PER_BLOCK};
 use dc_kernels::{Commitment, Gemm, QuantizedRows};
 
 use crate::attention::{
@@ -24,7 +25,9 @@ use crate::reveal::{Kept, KeptHop, KeptLayer};
 use crate::source::TensorSource;
 use crate::trace::{HopTrace, Point};
 use crate::weight_cache::WeightCache;
-use crate::weights::{check_range, load_head, load_layer, Head, KeptProduct, Layer, Mlp, Norm};
+use crate::weights::{
+    check_range, load_head, load_layer, Head, KeptProduct, Layer, Mlp, Norm, RowLeaves,
+};
 
 /// Activations crossing a stage boundary: `rows` consecutive positions starting at `start`,
 /// each a `hidden`-wide f32 row.
@@ -300,7 +303,7 @@ impl QueuedLayer {
                     t.entries[entry].commitment = done.commitments[set];
                 }
                 if let (Some(k), Some(at)) = (self.kept.as_mut(), kept) {
-                    k.set_leaves(at, done.leaves_of(set).to_vec());
+                    k.set_leaves(at, done.leaves_of(set));
                 }
             }
         }
@@ -339,7 +342,7 @@ impl Products for Compute<'_> {
                     point,
                     Kept::Gemm(KeptProduct {
                         acc,
-                        leaves: Vec::new(),
+                        leaves: RowLeaves::default(),
                     }),
                 )
             })
@@ -355,19 +358,19 @@ impl Products for Compute<'_> {
         let k = derived.k();
         let skip = from.saturating_sub(start).min(derived.rows());
         self.queue_entry(point, |kept| {
-            let rows = (skip..derived.rows())
-                .map(|r| {
-                    let mut bytes = Vec::new();
-                    derived.encode_row(r, &mut bytes);
-                    bytes
-                })
-                .collect();
+            let row_bytes = k.div_ceil(BLOCK) * ROW_BYTES_PER_BLOCK;
+            let mut rows = Vec::with_capacity((derived.rows() - skip) * row_bytes);
+            for r in skip..derived.rows() {
+                derived.encode_row(r, &mut rows);
+            }
+            debug_assert_eq!(rows.len(), (derived.rows() - skip) * row_bytes);
             Some(kept.keep(
                 point,
                 Kept::Leaves {
                     cols: k,
-                    leaves: Vec::new(),
+                    leaves: RowLeaves::default(),
                     rows,
+                    row_bytes,
                 },
             ))
         });
@@ -409,8 +412,9 @@ impl Products for Compute<'_> {
                 Point::KvCache,
                 Kept::Leaves {
                     cols: row_bytes,
-                    leaves: Vec::new(),
+                    leaves: RowLeaves::default(),
                     rows: Vec::new(),
+                    row_bytes,
                 },
             ))
         });
@@ -687,6 +691,9 @@ impl Model {
         // (side by side when the engine has threads to spare), each batch's buffers reused.
         let mut batches = [LeafBatch::default(), LeafBatch::default()];
         let mut waiting: Option<QueuedLayer> = None;
+        if let Some(k) = keep.as_deref_mut() {
+            k.layers.reserve(range.len());
+        }
         for (ci, i) in range.clone().enumerate() {
             let layer = self.layers.get(&i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))

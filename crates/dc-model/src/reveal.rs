@@ -26,7 +26,7 @@ use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivati
 use crate::attention::{attend, cache_row_leaf, queue_cache_rows, AttentionShape, LayerCache};
 use crate::error::{ModelError, Result};
 use crate::model::{Activations, Glue, KvCache, Model, Products};
-use crate::weights::{add_bias, KeptProduct, Mlp, Norm};
+use crate::weights::{add_bias, KeptProduct, Mlp, Norm, RowLeaves};
 
 /// A product a stage kept.
 pub(crate) enum Kept {
@@ -38,13 +38,15 @@ pub(crate) enum Kept {
     Source(Accumulators),
     /// Only the rows' Merkle leaves (the context, the cache rows and the MLP's hidden rows: a
     /// checker recomputes their rows, so a reveal carries just the root and the path), and for
-    /// the context and the hidden rows each row's encoding (`rows`, empty for the cache rows:
-    /// both quantised as the next product takes them), revealed when a check
-    /// takes the row as the next product's input instead of recomputing it.
+    /// the context and the hidden rows each row's encoding (`rows`, one after another,
+    /// `row_bytes` each; empty for the cache rows: both quantised as the next product takes
+    /// them), revealed when a check takes the row as the next product's input instead of
+    /// recomputing it.
     Leaves {
         cols: usize,
-        leaves: Vec<Commitment>,
-        rows: Vec<Vec<u8>>,
+        leaves: RowLeaves,
+        rows: Vec<u8>,
+        row_bytes: usize,
     },
 }
 
@@ -53,9 +55,7 @@ impl Kept {
         match self {
             Kept::Gemm(k) => k.acc.bytes() + k.leaves.len() * 32,
             Kept::Source(acc) => acc.bytes(),
-            Kept::Leaves { leaves, rows, .. } => {
-                leaves.len() * 32 + rows.iter().map(Vec::len).sum::<usize>()
-            }
+            Kept::Leaves { leaves, rows, .. } => leaves.len() * 32 + rows.len(),
         }
     }
 
@@ -103,9 +103,16 @@ impl Kept {
                     path: Vec::new(),
                 });
             }
-            Kept::Leaves { cols, leaves, rows } if index < leaves.len() => {
+            Kept::Leaves {
+                cols,
+                leaves,
+                rows,
+                row_bytes,
+            } if index < leaves.len() => {
                 let encoding = match values {
-                    true => rows.get(index)?.clone(),
+                    true => rows
+                        .get(index * row_bytes..(index + 1) * row_bytes)?
+                        .to_vec(),
                     false => Vec::new(),
                 };
                 (*cols, (None, encoding))
@@ -207,6 +214,10 @@ impl CacheLog {
     }
 }
 
+/// Parts a layer keeps at most: q, k, v, the cache rows, the context, o, the MLP's first
+/// products (one for GPT-2), its hidden row and down.
+const KEPT_PARTS: usize = 10;
+
 /// What a stage kept of one layer of a hop.
 pub(crate) struct KeptLayer {
     layer: usize,
@@ -219,7 +230,8 @@ impl KeptLayer {
         KeptLayer {
             layer,
             input,
-            products: Vec::new(),
+            // Every part a layer keeps, allocated once rather than grown push by push.
+            products: Vec::with_capacity(KEPT_PARTS),
         }
     }
 
@@ -230,10 +242,10 @@ impl KeptLayer {
     }
 
     /// The leaves of the product kept at `at`, once its rows are hashed.
-    pub(crate) fn set_leaves(&mut self, at: usize, leaves: Vec<Commitment>) {
+    pub(crate) fn set_leaves(&mut self, at: usize, leaves: &[Commitment]) {
         match self.products.get_mut(at) {
-            Some((_, Kept::Gemm(p))) => p.leaves = leaves,
-            Some((_, Kept::Leaves { leaves: l, .. })) => *l = leaves,
+            Some((_, Kept::Gemm(p))) => p.leaves = leaves.into(),
+            Some((_, Kept::Leaves { leaves: l, .. })) => *l = leaves.into(),
             Some((_, Kept::Source(_))) | None => {}
         }
     }

@@ -75,7 +75,46 @@ pub struct KeptProduct {
     /// The exact accumulators.
     pub acc: Accumulators,
     /// The leaves of the committed rows (from the commitment's first position).
-    pub leaves: Vec<dc_kernels::Commitment>,
+    pub leaves: RowLeaves,
+}
+
+/// The leaves of a kept product's committed rows, a one-row (decode) hop's inline.
+///
+/// Why: a stage keeps a few hops and then drops the oldest, whose memory has gone cold by then;
+/// glibc's free of each small buffer in it is a cache miss or more, and a kept SmolLM2 hop had
+/// some fifteen such buffers per layer, which together cost a visible share of keeping.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RowLeaves {
+    /// One row's leaf.
+    One(dc_kernels::Commitment),
+    /// Any other number of rows' leaves.
+    Many(Vec<dc_kernels::Commitment>),
+}
+
+impl Default for RowLeaves {
+    fn default() -> RowLeaves {
+        RowLeaves::Many(Vec::new())
+    }
+}
+
+impl From<&[dc_kernels::Commitment]> for RowLeaves {
+    fn from(leaves: &[dc_kernels::Commitment]) -> RowLeaves {
+        match leaves {
+            [one] => RowLeaves::One(*one),
+            more => RowLeaves::Many(more.to_vec()),
+        }
+    }
+}
+
+impl std::ops::Deref for RowLeaves {
+    type Target = [dc_kernels::Commitment];
+
+    fn deref(&self) -> &[dc_kernels::Commitment] {
+        match self {
+            RowLeaves::One(leaf) => std::slice::from_ref(leaf),
+            RowLeaves::Many(leaves) => leaves,
+        }
+    }
 }
 
 /// Adds `bias` (if any) to every row of `out`, in f32 after the product's single rounding.

@@ -22,7 +22,7 @@ pub const MAX_HOP_ROWS: usize = 2048;
 /// Hops kept per generation for reveals: a head asks about up to [`MAX_REVEAL_HOPS`] of a
 /// stage's hops at once, right after the last of them, so one more suffices even when the next
 /// hop has already arrived.
-const KEPT_HOPS: usize = MAX_REVEAL_HOPS + 1;
+pub const KEPT_HOPS: usize = MAX_REVEAL_HOPS + 1;
 
 /// Bytes of kept hops this daemon holds at most, over all generations; a hop that does not fit
 /// is not kept (a reveal of it is refused, which a head only holds against a one-row hop).

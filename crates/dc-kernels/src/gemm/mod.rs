@@ -144,6 +144,8 @@ pub struct Gemm {
     kernel: Kernel,
     threads: usize,
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// Sums buffers of this engine's dropped accumulators, for its next exact products.
+    sums: Arc<sink::SumsPool>,
 }
 
 impl fmt::Debug for Gemm {
@@ -190,6 +192,7 @@ impl Gemm {
             kernel,
             threads,
             pool,
+            sums: Arc::default(),
         })
     }
 
@@ -282,15 +285,19 @@ impl Gemm {
         w: &PackedWeights,
         out: &mut [f32],
     ) -> Result<Accumulators> {
-        let mut sums = sink::unwritten_sums(x.rows() * w.n());
+        let (mut sums, mut row_unit) = self.sums.take(x.rows() * w.n());
+        row_unit.extend((0..x.rows()).map(|r| x.meta(r).exp_min));
         let slots = sink::SlotsOut {
             sums: &mut sums,
-            row_unit: (0..x.rows()).map(|r| x.meta(r).exp_min).collect(),
+            row_unit,
             col_unit: w.col_units(),
         };
         let (row_unit, col_unit, wide) = self.run(x, w, out, Some(slots))?;
         // SAFETY: `run` returned Ok, so the sink saw every slot written.
-        Ok(unsafe { Accumulators::written(x.rows(), w.n(), sums, row_unit, col_unit, wide) })
+        let recycle = Some(self.sums.clone());
+        Ok(unsafe {
+            Accumulators::written(x.rows(), w.n(), sums, row_unit, col_unit, wide, recycle)
+        })
     }
 
     fn run(

@@ -8,7 +8,11 @@
 //! The slots of the exact accumulators start uninitialised (clearing megabytes of them only
 //! to overwrite every one was a measurable share of a committed prefill); the sink records
 //! which it has written, one bit per slot, and hands them out only when every bit is set.
+//!
+//! A dropped [`Accumulators`] hands its sums' buffer back to the engine that made it
+//! ([`SumsPool`]), for that engine's next product of the same size.
 
+use std::fmt;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,6 +47,119 @@ pub struct Accumulators {
     col_unit: Arc<[i32]>,
     /// The wide values, by flat index, sorted.
     wide: Vec<(usize, Exact)>,
+    /// Where `sums`' buffer goes when these are dropped: the pool of the engine that made them.
+    recycle: Option<Arc<SumsPool>>,
+}
+
+impl Drop for Accumulators {
+    fn drop(&mut self) {
+        if let Some(pool) = self.recycle.take() {
+            pool.give(
+                std::mem::take(&mut self.sums),
+                std::mem::take(&mut self.row_unit),
+            );
+        }
+    }
+}
+
+/// The buffers of dropped [`Accumulators`] (sums and row units), kept by an engine for its
+/// next products of the same sizes.
+///
+/// Why: a stage keeps every hop's accumulators for a few hops and then drops them, some
+/// fifteen buffers per layer. By then their memory has gone cold (the weights streamed through the
+/// caches since), and the system allocator's free, and its next malloc, walk chunk headers in
+/// it, consolidating neighbours: on a SmolLM2 stage that churn cost about a quarter of what
+/// keeping costs. A pooled buffer costs a lock and a lookup; its old contents never show,
+/// since the sink hands out accumulators only when it wrote every slot.
+///
+/// Bounded: at most [`SumsPool::BYTES`] in all, and only buffers of up to
+/// [`SumsPool::LARGEST`] (decode-sized products; a prefill's large buffers, whose sizes vary
+/// with the chunk, go back to the allocator).
+#[derive(Default)]
+pub(crate) struct SumsPool {
+    free: Mutex<FreeSums>,
+}
+
+/// The buffers a [`SumsPool`] holds, by the sums' length (a stage's products come in a
+/// handful of sizes: a short list searched in order beats hashing).
+#[derive(Default)]
+struct FreeSums {
+    by_len: Vec<(usize, Vec<Buffers>)>,
+    bytes: usize,
+}
+
+/// One product's buffers: its sums and its row units.
+type Buffers = (Vec<i64>, Vec<i32>);
+
+impl fmt::Debug for SumsPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let bytes = self.free.lock().map(|f| f.bytes).unwrap_or(0);
+        f.debug_struct("SumsPool").field("bytes", &bytes).finish()
+    }
+}
+
+impl SumsPool {
+    /// Bytes a pool holds at most.
+    pub(crate) const BYTES: usize = 32 << 20;
+    /// The largest buffer a pool keeps, in bytes.
+    pub(crate) const LARGEST: usize = 256 << 10;
+    /// Sizes a pool keeps buffers of at most.
+    const SIZES: usize = 32;
+
+    /// A buffer of exactly `len` sums (uninitialised) and an empty one for row units, from
+    /// the pool when it has them.
+    pub(crate) fn take(&self, len: usize) -> (Vec<MaybeUninit<i64>>, Vec<i32>) {
+        let pooled = self.free.lock().ok().and_then(|mut free| {
+            let (_, list) = free.by_len.iter_mut().find(|(l, _)| *l == len)?;
+            let v = list.pop()?;
+            free.bytes -= len * 8;
+            Some(v)
+        });
+        match pooled {
+            Some((v, mut row_unit)) => {
+                let mut v = std::mem::ManuallyDrop::new(v);
+                let (ptr, cap) = (v.as_mut_ptr(), v.capacity());
+                row_unit.clear();
+                // SAFETY: the same allocation, as `MaybeUninit<i64>` (the layout of `i64`),
+                // with `len` elements of capacity `cap ≥ len` (the pool keys buffers by a
+                // length they hold) that need no initialisation.
+                let sums = unsafe { Vec::from_raw_parts(ptr.cast::<MaybeUninit<i64>>(), len, cap) };
+                (sums, row_unit)
+            }
+            None => (unwritten_sums(len), Vec::new()),
+        }
+    }
+
+    /// Keeps `v` and `row_unit` for a later [`SumsPool::take`] of `v`'s length, unless `v` is
+    /// empty, too large or the pool is full (in bytes, or in sizes).
+    fn give(&self, v: Vec<i64>, row_unit: Vec<i32>) {
+        let bytes = v.len() * 8;
+        if v.is_empty() || bytes > Self::LARGEST {
+            return;
+        }
+        let Ok(mut free) = self.free.lock() else {
+            return;
+        };
+        if free.bytes + bytes > Self::BYTES {
+            return;
+        }
+        let at = match free.by_len.iter().position(|(l, _)| *l == v.len()) {
+            Some(at) => at,
+            None if free.by_len.len() < Self::SIZES => {
+                free.by_len.push((v.len(), Vec::new()));
+                free.by_len.len() - 1
+            }
+            None => return,
+        };
+        free.bytes += bytes;
+        free.by_len[at].1.push((v, row_unit));
+    }
+
+    /// Bytes held.
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.free.lock().map(|f| f.bytes).unwrap_or(0)
+    }
 }
 
 /// `v` as an integer in units of `2^unit`, if it is one that fits an `i64` (and is not
@@ -82,6 +199,7 @@ impl Accumulators {
         row_unit: Vec<i32>,
         col_unit: Arc<[i32]>,
         wide: Vec<(usize, Exact)>,
+        recycle: Option<Arc<SumsPool>>,
     ) -> Accumulators {
         debug_assert_eq!(sums.len(), rows * cols);
         debug_assert!(row_unit.len() == rows && col_unit.len() >= cols);
@@ -97,6 +215,7 @@ impl Accumulators {
             row_unit,
             col_unit,
             wide,
+            recycle,
         }
     }
 
@@ -123,6 +242,7 @@ impl Accumulators {
             row_unit,
             col_unit: vec![0; cols].into(),
             wide: Vec::new(),
+            recycle: None,
         };
         for (i, v) in values.iter().enumerate() {
             acc.set(i / cols.max(1), i % cols.max(1), v.clone());
@@ -519,7 +639,8 @@ mod tests {
             .expect("finite");
         let (row_unit, col_unit, wide) = sink.into_units();
         // SAFETY: every slot was written (checked above).
-        let acc = unsafe { Accumulators::written(rows, cols, sums, row_unit, col_unit, wide) };
+        let acc =
+            unsafe { Accumulators::written(rows, cols, sums, row_unit, col_unit, wide, None) };
         // 6 · 2^-2 = 3 · 2^-1, canonical.
         assert_eq!(acc.get(0, cols - 1), Exact::Small { mant: 3, exp: -1 });
         assert_eq!(acc.get(2, 20), Exact::Small { mant: -3, exp: 4 });
@@ -589,5 +710,69 @@ mod tests {
             assert_eq!(Exact::from_i64(sum, exp), values[c], "column {c}");
         }
         assert_eq!(acc.row_as_kept(1).1[0], WIDE, "a wide value has no sum");
+    }
+
+    #[test]
+    fn a_dropped_products_sums_buffer_serves_the_next_product_of_its_size() {
+        use crate::{Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
+        let (m, k, n) = (2, 64, 48);
+        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
+        let qx = QuantizedRows::quantize(&x, m, k, "x").expect("finite");
+        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").expect("finite");
+        let g = Gemm::new(Kernel::best(), 1).expect("engine");
+        let mut y = vec![0f32; m * n];
+        let first = g.matmul_exact(&qx, &qw, &mut y).expect("product");
+        let (buffers, want) = (
+            (first.sums.as_ptr(), first.row_unit.as_ptr()),
+            first.clone(),
+        );
+        drop(first);
+        let second = g.matmul_exact(&qx, &qw, &mut y).expect("product");
+        let reused = (second.sums.as_ptr(), second.row_unit.as_ptr());
+        assert_eq!(reused, buffers, "the dropped buffers were reused");
+        assert_eq!(second, want);
+        // Another engine has a pool of its own.
+        let other = Gemm::new(Kernel::best(), 1).expect("engine");
+        let third = other.matmul_exact(&qx, &qw, &mut y).expect("product");
+        assert_ne!(third.sums.as_ptr(), buffers.0);
+    }
+
+    #[test]
+    fn a_sums_pool_keeps_buffers_of_a_bounded_size_up_to_a_bounded_total() {
+        let pool = SumsPool::default();
+        pool.give(Vec::new(), Vec::new());
+        pool.give(vec![0; SumsPool::LARGEST / 8 + 1], vec![0]);
+        assert_eq!(
+            pool.bytes(),
+            0,
+            "empty and oversized buffers go back to the allocator"
+        );
+        let len = SumsPool::LARGEST / 8;
+        let mut kept = 0;
+        for _ in 0..SumsPool::BYTES / SumsPool::LARGEST + 3 {
+            pool.give(vec![7; len], vec![3]);
+            kept = pool.bytes();
+        }
+        assert_eq!(kept, SumsPool::BYTES, "full at the bound, and no further");
+        // Taken by length only: another length gets a fresh buffer.
+        let (taken, row_unit) = pool.take(len);
+        assert_eq!(
+            (taken.len(), pool.bytes()),
+            (len, SumsPool::BYTES - len * 8)
+        );
+        assert!(
+            row_unit.is_empty() && row_unit.capacity() >= 1,
+            "emptied, and reused"
+        );
+        assert_eq!(pool.take(len - 1).0.len(), len - 1);
+        assert_eq!(pool.bytes(), SumsPool::BYTES - len * 8);
+        // At most so many sizes.
+        let pool = SumsPool::default();
+        for len in 1..=SumsPool::SIZES + 5 {
+            pool.give(vec![0; len], Vec::new());
+        }
+        let sizes = SumsPool::SIZES;
+        assert_eq!(pool.bytes(), sizes * (sizes + 1) / 2 * 8);
     }
 }

@@ -219,7 +219,8 @@ fn committed_rates(
 
 /// What spot checks cost on decode hops over all layers (medians over the decoded tokens).
 struct SpotCosts {
-    /// Decode hops per second, committing (the baseline) and committing + keeping.
+    /// Decode hops per second, committing (the baseline) and committing + keeping (the hop,
+    /// its cache rows' log, and dropping the hop that leaves a stage's window of kept hops).
     committed: f64,
     kept: f64,
     /// One layer's share of a committed decode hop, seconds.
@@ -335,6 +336,7 @@ fn spot_costs(
         }
     }
     drop(prefill_kept);
+    let mut window = std::collections::VecDeque::with_capacity(dc_node::stage::KEPT_HOPS);
     for i in 0..decode {
         let pos = prompt.len() + i;
         let x = model.embed(&[(pos % 100) as u32], pos)?;
@@ -346,6 +348,11 @@ fn spot_costs(
         let s = Instant::now();
         let (_, hop) = model.run_layers_kept(gemm, x, &mut caches[1], &mut t)?;
         log.record(&caches[1]);
+        // As a stage keeps them: its last hops, the oldest dropped as a new one comes (freeing
+        // memory long gone cold, part of what keeping costs).
+        if window.len() == dc_node::stage::KEPT_HOPS {
+            window.pop_front();
+        }
         kept.push(s.elapsed().as_secs_f64());
         hops.push((t, 1));
         // SPOT_GAP layers spread over the model take turns (every layer, if it has fewer).
@@ -394,6 +401,7 @@ fn spot_costs(
             policy_bytes += dc_types::encode(r, usize::MAX)?.len() as f64;
         }
         policy_layers += picks.len();
+        window.push_back(hop);
         if first {
             first_check.push(checked);
             first_bytes.push(size);
