@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
 use dc_kernels::quant::{BLOCK, ROW_BYTES_PER_BLOCK};
-use dc_kernels::{Commitment, Gemm, QuantizedRows};
+use dc_kernels::{Commitment, Gemm, KernelError, QuantizedRows};
 
 use crate::attention::{
     attend_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
@@ -778,10 +778,27 @@ impl Model {
     ) -> Result<Option<Activations>> {
         let cfg = &self.config;
         let (rows, start) = (x.rows(), x.start);
-        let name = |what: &str| format!("layer {i} {what}");
+        // The tensor's name is formatted only for an error: formatting it for every
+        // quantisation was an allocation, four per layer of every hop.
+        let quantize = |x: &[f32], k: usize, what: &str| {
+            QuantizedRows::quantize(x, rows, k, what).map_err(|e| match e {
+                KernelError::NonFinite {
+                    tensor,
+                    row,
+                    col,
+                    value,
+                } => KernelError::NonFinite {
+                    tensor: format!("layer {i} {tensor}"),
+                    row,
+                    col,
+                    value,
+                },
+                e => e,
+            })
+        };
         // Attention.
         let h1 = self.norm(glue.attn_norm, &x.data);
-        let qx = QuantizedRows::quantize(&h1, rows, cfg.hidden_size, &name("attention input"))?;
+        let qx = quantize(&h1, cfg.hidden_size, "attention input")?;
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
         products.linear(Point::Q, &qx, &mut q)?;
         products.linear(Point::K, &qx, &mut k)?;
@@ -806,7 +823,7 @@ impl Model {
         if !products.more() {
             return Ok(None);
         }
-        let qc = QuantizedRows::quantize(&ctx, rows, cfg.q_width(), &name("attention context"))?;
+        let qc = quantize(&ctx, cfg.q_width(), "attention context")?;
         let qc = products.quantized(Point::Context, qc)?;
         if !products.more() {
             return Ok(None);
@@ -822,7 +839,7 @@ impl Model {
         }
         // MLP.
         let h2 = self.norm(glue.mlp_norm, &x.data);
-        let qh = QuantizedRows::quantize(&h2, rows, cfg.hidden_size, &name("mlp input"))?;
+        let qh = quantize(&h2, cfg.hidden_size, "mlp input")?;
         let mut y = Vec::new();
         let mut a = Vec::new();
         if glue.gelu {
@@ -842,7 +859,7 @@ impl Model {
             }
             silu_mul(&mut a, &u);
         }
-        let qa = QuantizedRows::quantize(&a, rows, cfg.intermediate_size, &name("mlp hidden"))?;
+        let qa = quantize(&a, cfg.intermediate_size, "mlp hidden")?;
         let qa = products.quantized(Point::Hidden, qa)?;
         if !products.more() {
             return Ok(None);
