@@ -569,16 +569,22 @@ impl QuantizedRows {
         out.extend(self.row_q(row).iter().map(|&q| q as u8));
     }
 
+    /// Bytes of one row of `k` elements in its canonical encoding
+    /// ([`QuantizedRows::encode_row`]).
+    pub fn encoded_row_bytes(k: usize) -> usize {
+        k.div_ceil(BLOCK) * ROW_BYTES_PER_BLOCK
+    }
+
     /// One row of `k` elements from its canonical bytes ([`QuantizedRows::encode_row`]), as a
     /// peer revealed them: refuses a wrong length, a scale mantissa outside `[128, 255]`, an
     /// element of −128 (the quantiser never makes one) and a non-zero element past `k`, with
     /// the reason.
     pub fn decode_row(bytes: &[u8], k: usize) -> std::result::Result<QuantizedRows, String> {
         let blocks = k.div_ceil(BLOCK);
-        if bytes.len() != blocks * ROW_BYTES_PER_BLOCK {
+        if bytes.len() != Self::encoded_row_bytes(k) {
             return Err(format!(
                 "a quantised row of {k} elements is {} bytes, not {}",
-                blocks * ROW_BYTES_PER_BLOCK,
+                Self::encoded_row_bytes(k),
                 bytes.len()
             ));
         }

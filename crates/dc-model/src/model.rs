@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 
 use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
-use dc_kernels::quant::{BLOCK, ROW_BYTES_PER_BLOCK};
 use dc_kernels::{Commitment, Gemm, KernelError, QuantizedRows};
 
 use crate::attention::{
@@ -358,7 +357,7 @@ impl Products for Compute<'_> {
         let k = derived.k();
         let skip = from.saturating_sub(start).min(derived.rows());
         self.queue_entry(point, |kept| {
-            let row_bytes = k.div_ceil(BLOCK) * ROW_BYTES_PER_BLOCK;
+            let row_bytes = QuantizedRows::encoded_row_bytes(k);
             let mut rows = Vec::with_capacity((derived.rows() - skip) * row_bytes);
             for r in skip..derived.rows() {
                 derived.encode_row(r, &mut rows);
