@@ -66,31 +66,39 @@ pub fn softmax(x: &mut [f32]) {
     softmax_finish(x, &exps);
 }
 
-/// The largest unmasked entry, in f64 (`None` if every entry is masked).
+/// The largest unmasked entry, in f64 (`None` if every entry is masked). A masked entry is
+/// `-inf`, which never wins a `max` against another value, so no entry needs skipping; the
+/// maximum is taken in eight lanes, which gives the serial fold's value: `max` picks one of
+/// its arguments, whatever the order. (Of `0.0` and `-0.0` either may come out; both shift
+/// every entry to the same `exp`.)
 fn softmax_max(x: &[f32]) -> Option<f64> {
-    let max = x
-        .iter()
-        .copied()
-        .filter(|v| *v != f32::NEG_INFINITY)
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(v);
+        }
+    }
+    let max = lanes
+        .into_iter()
+        .chain(rest.iter().copied())
         .fold(f32::NEG_INFINITY, f32::max);
     (max != f32::NEG_INFINITY).then_some(max as f64)
 }
 
-/// The probabilities from the exps: their sum in order, skipping the masked values, then one
-/// division per entry.
+/// The probabilities from the exps: their sum in index order, then one division per entry.
+/// A masked entry's exp is `0.0`, so adding it leaves the sum's bits as skipping it would (the
+/// sum is never `-0.0`: the largest entry's exp is 1), and dividing it gives the `0.0` the
+/// definition sets; with no branch on the mask, the divisions run in vector lanes.
 fn softmax_finish(x: &mut [f32], exps: &[f64]) {
-    let mut sum = 0f64;
-    for (&v, &e) in x.iter().zip(exps) {
-        if v != f32::NEG_INFINITY {
-            sum += e;
-        }
-    }
+    debug_assert!(exps
+        .iter()
+        .zip(x.iter())
+        .all(|(&e, &v)| v != f32::NEG_INFINITY || e == 0.0));
+    let sum = exps.iter().fold(0f64, |sum, &e| sum + e);
     for (v, &e) in x.iter_mut().zip(exps) {
-        *v = if *v == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (e / sum) as f32
-        };
+        *v = (e / sum) as f32;
     }
 }
 
@@ -250,6 +258,8 @@ mod tests {
                     -100f32..100.0,
                     proptest::strategy::Just(f32::NEG_INFINITY),
                     -1e30f32..1e30,
+                    proptest::strategy::Just(0.0f32),
+                    proptest::strategy::Just(-0.0f32),
                 ],
                 0..300,
             )
