@@ -467,9 +467,6 @@ struct HeadScratch {
     dots: Vec<i32>,
     scores: Vec<f32>,
     exps: Vec<f64>,
-    acc: Vec<i32>,
-    /// A block's keys with a nonzero quantised probability, as (probability, value row).
-    picks: Vec<(i8, usize)>,
     /// Per block of keys with any probability: its scale, and where its outputs' sums start
     /// in `ctx_acc` (`hd` per block).
     ctx_scales: Vec<BlockScale>,
@@ -530,8 +527,6 @@ fn head_attention(
         dots,
         scores,
         exps,
-        acc,
-        picks,
         ctx_scales,
         ctx_acc,
         context,
@@ -604,17 +599,20 @@ fn head_attention(
         let s = scale_for_amax_f64(amax);
         let (inv, m) = (pow2(-(s.e as i32)), s.m as f64);
         probabilities_loops(simd).1(pv, inv, m, qp);
-        picks.clear();
+        // The keys with a nonzero quantised probability, as (probability, value row). Every
+        // key is written and only a nonzero one kept (the count moves by the test): which
+        // probabilities round to zero follows no pattern a branch predictor could learn, and
+        // a branch per key cost more than the value rows' arithmetic.
+        let mut picks = [(0i8, 0usize); BLOCK];
+        let mut kept = 0;
         for (j, &q) in (j0..=j1).zip(qp.iter()) {
-            if q != 0 {
-                picks.push((q as i8, (j * kvh + g) * hd));
-            }
+            picks[kept] = (q as i8, (j * kvh + g) * hd);
+            kept += usize::from(q != 0);
         }
-        acc.clear();
-        acc.resize(hd, 0);
-        int8::add_scaled_rows(acc, &cache.v_q, picks);
+        let at = ctx_acc.len();
+        ctx_acc.resize(at + hd, 0);
+        int8::add_scaled_rows(&mut ctx_acc[at..], &cache.v_q, &picks[..kept]);
         ctx_scales.push(s);
-        ctx_acc.extend_from_slice(acc);
     }
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
 }
