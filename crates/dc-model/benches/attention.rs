@@ -1,19 +1,29 @@
-//! Time of one decode row's exact attention (SmolLM2-135M's shape: 9 query heads, 3 key/value
-//! heads of 64; Llama-2-7B's: 32 heads of 128) at several context lengths, on one thread, for
+//! Time of one decode row's exact attention at several context lengths, on one thread, for
 //! the fast kernel, the same with its per-key loops one key at a time (what a CPU without AVX2
 //! runs) and the reference, measured in the same run (the ratios are the figures; all give the
-//! same bits). `cargo bench -p dc-model --bench attention`.
+//! same bits). Shapes: SmolLM2-135M's (9 query heads, 3 key/value heads of 64), Llama-3.2-1B's
+//! (32 query heads, 8 key/value heads of 64) and Llama-2-7B's (32 heads of 128).
+//! `cargo bench -p dc-model --bench attention`.
 
 use std::time::Instant;
 
 use dc_model::attention::{attend_with, AttentionKernel, AttentionShape, LayerCache};
 
-const SHAPES: [(&str, AttentionShape); 2] = [
+const SHAPES: [(&str, AttentionShape); 3] = [
     (
         "SmolLM2-135M",
         AttentionShape {
             heads: 9,
             kv_heads: 3,
+            head_dim: 64,
+            window: None,
+        },
+    ),
+    (
+        "Llama-3.2-1B",
+        AttentionShape {
+            heads: 32,
+            kv_heads: 8,
             head_dim: 64,
             window: None,
         },
