@@ -807,9 +807,7 @@ fn context_outputs_by_block(
         let total = &mut totals[g * hd..(g + 1) * hd];
         for &b in &order[at..at + count] {
             let (m, shift) = (scales[b].m as i64, scales[b].e as i32 - emin);
-            for (t, &a) in total.iter_mut().zip(&sums[b * hd..(b + 1) * hd]) {
-                *t += (a as i64 * m) << shift;
-            }
+            add_shifted(total, &sums[b * hd..(b + 1) * hd], m, shift);
         }
         at += count;
     }
@@ -837,6 +835,45 @@ fn context_outputs_by_block(
             .ok_or_else(|| format!("context overflows f32 at position {pos}"))?;
     }
     Ok(())
+}
+
+/// `total_d += (a_d · m) << shift` for every output of a block (`shift` at most
+/// [`CONTEXT_I64_SPAN`]): integer arithmetic, so every instruction set gives the same sums.
+/// Compiled for AVX-512 and AVX2 too where the CPU has them: the baseline's i64 multiply has
+/// no vector instruction, and this loop ran a long emulation of one per output.
+fn add_shifted(total: &mut [i64], sums: &[i32], m: i64, shift: i32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was detected.
+            return unsafe { add_shifted_avx512(total, sums, m, shift) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected.
+            return unsafe { add_shifted_avx2(total, sums, m, shift) };
+        }
+    }
+    add_shifted_each(total, sums, m, shift)
+}
+
+/// [`add_shifted`]'s loop, as the baseline compiles it (and inlined into the other forms).
+#[inline(always)]
+fn add_shifted_each(total: &mut [i64], sums: &[i32], m: i64, shift: i32) {
+    for (t, &a) in total.iter_mut().zip(sums) {
+        *t += (a as i64 * m) << shift;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn add_shifted_avx512(total: &mut [i64], sums: &[i32], m: i64, shift: i32) {
+    add_shifted_each(total, sums, m, shift)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_shifted_avx2(total: &mut [i64], sums: &[i32], m: i64, shift: i32) {
+    add_shifted_each(total, sums, m, shift)
 }
 
 /// Buffers of [`context_outputs_by_block`], reused per worker.
@@ -964,6 +1001,38 @@ mod tests {
                     fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                 );
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_form_of_add_shifted_is_the_loop(
+            sums in proptest::collection::vec(-(32 * 127 * 127)..=32 * 127 * 127i32, 0..150),
+            start in proptest::collection::vec(-(1i64 << 60)..(1i64 << 60), 150),
+            m in 0i64..256,
+            shift in 0..=CONTEXT_I64_SPAN,
+        ) {
+            let start = &start[..sums.len()];
+            let want: Vec<i64> = start.iter().zip(&sums)
+                .map(|(&t, &a)| t + ((a as i64 * m) << shift)).collect();
+            let mut each = start.to_vec();
+            add_shifted_each(&mut each, &sums, m, shift);
+            proptest::prop_assert_eq!(&each, &want);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if is_x86_feature_detected!("avx512f") {
+                    let mut t = start.to_vec();
+                    // SAFETY: AVX-512F was detected.
+                    unsafe { add_shifted_avx512(&mut t, &sums, m, shift) };
+                    proptest::prop_assert_eq!(&t, &want);
+                }
+                if is_x86_feature_detected!("avx2") {
+                    let mut t = start.to_vec();
+                    // SAFETY: AVX2 was detected.
+                    unsafe { add_shifted_avx2(&mut t, &sums, m, shift) };
+                    proptest::prop_assert_eq!(&t, &want);
+                }
             }
         }
     }
