@@ -1,8 +1,9 @@
 //! The exact int8 loops attention runs per key: block dot products (scores) and rows of values
 //! times quantised probabilities added to i32 accumulators (context). SSE2 on x86_64 (part of
-//! the baseline: no detection needed), AVX2 where the CPU has it, and the block dot products of
-//! heads of an even number of blocks in AVX-512 VNNI where it has that; the scalar definition
-//! elsewhere. Every form is property-tested against the definition. Every product of two
+//! the baseline: no detection needed), AVX2 where the CPU has it, and in AVX-512 VNNI where it
+//! has that the block dot products of heads of an even number of blocks and the value rows of
+//! heads of whole 64-byte chunks; the scalar definition elsewhere. Every form is
+//! property-tested against the definition. Every product of two
 //! int8s fits an i16, and every sum here fits an i32, so the vector forms compute the same
 //! integers whatever order they add them in.
 
@@ -107,6 +108,49 @@ pub fn add_scaled_rows(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
         return;
     }
     add_scaled_rows_scalar(acc, v, rows);
+}
+
+/// Most rows [`add_block_rows`] takes at once: a block of keys.
+pub const BLOCK_ROWS: usize = BLOCK;
+
+/// `acc_d += Σ_j q_j · v[first + j · stride + d]` for the (at most [`BLOCK_ROWS`]) weights
+/// `q_j` in `[0, 127]` and every `d < acc.len()`: a block of keys' value rows times their
+/// quantised probabilities. In AVX-512 VNNI where the CPU has it and the rows are whole
+/// 64-byte chunks (every key taken, four at a time, a zero weight adding zero); otherwise the
+/// keys with a nonzero weight are picked and [`add_scaled_rows`] adds them.
+pub fn add_block_rows(acc: &mut [i32], v: &[i8], first: usize, stride: usize, q: &[i32]) {
+    assert!(q.len() <= BLOCK_ROWS, "at most a block of rows");
+    assert!(
+        q.is_empty() || first + (q.len() - 1) * stride + acc.len() <= v.len(),
+        "every row is inside `v`"
+    );
+    debug_assert!(
+        q.iter().all(|&x| (0..=127).contains(&x)),
+        "weights in [0, 127]"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx512::takes_rows(acc.len()) {
+        // SAFETY: AVX-512 VNNI was detected; the bounds were checked above.
+        unsafe { avx512::add_block_rows(acc, v, first, stride, q) };
+        return;
+    }
+    // Every key is written and only a nonzero one kept (the count moves by the test): which
+    // weights are zero follows no pattern a branch predictor could learn.
+    let mut picks = [(0i8, 0usize); BLOCK_ROWS];
+    let mut kept = 0;
+    for (j, &w) in q.iter().enumerate() {
+        picks[kept] = (w as i8, first + j * stride);
+        kept += usize::from(w != 0);
+    }
+    add_scaled_rows(acc, v, &picks[..kept]);
+}
+
+/// The definition of [`add_block_rows`].
+pub fn add_block_rows_scalar(acc: &mut [i32], v: &[i8], first: usize, stride: usize, q: &[i32]) {
+    for (j, &w) in q.iter().enumerate() {
+        let at = first + j * stride;
+        add_scaled_scalar(acc, w as i8, &v[at..at + acc.len()]);
+    }
 }
 
 /// The definition of [`add_scaled_rows`].
@@ -436,6 +480,115 @@ mod avx512 {
         _mm512_permutexvar_epi32(order, r)
     }
 
+    /// Whether this CPU runs the VNNI form of [`super::add_block_rows`] and rows of `width`
+    /// values suit it (whole 64-byte chunks, at most four).
+    pub(super) fn takes_rows(width: usize) -> bool {
+        width > 0
+            && width.is_multiple_of(64)
+            && width <= 256
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+
+    /// See [`super::add_block_rows`]; the caller checked [`takes_rows`] and the bounds.
+    ///
+    /// Four rows at a time: their bytes interleaved so each i32 lane holds one value of each
+    /// row (`vpunpck*bw`, then `*wd`), and `vpdpbusd` multiplies the four weights (unsigned,
+    /// at most 127) by them and adds the four products into the lane. The interleave works
+    /// within 128-bit lanes, so accumulator `a` lane `k` of 128-bit lane `L` holds value
+    /// `16 L + 4 a + k`; a transpose of 128-bit lanes puts them in order at the end.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn add_block_rows(
+        acc: &mut [i32],
+        v: &[i8],
+        first: usize,
+        stride: usize,
+        q: &[i32],
+    ) {
+        let chunks = acc.len() / 64;
+        // The keys with a nonzero weight, compressed to the front (`vpcompressd`): a zero
+        // weight adds nothing, and most of a block's keys round to zero when one dominates.
+        let (mut weights, mut rows) = ([0i32; super::BLOCK_ROWS], [0usize; super::BLOCK_ROWS]);
+        let mut kept = 0;
+        for (h, part) in q.chunks(16).enumerate() {
+            let lanes = ((1u32 << part.len()) - 1) as u16;
+            // SAFETY: `part` holds `part.len()` readable i32s, the lanes the mask loads.
+            let w = unsafe { _mm512_maskz_loadu_epi32(lanes, part.as_ptr()) };
+            let nonzero = _mm512_test_epi32_mask(w, w);
+            // SAFETY: `weights` has room for every lane after `kept` (at most 16 of them,
+            // `kept + part.len() <= BLOCK_ROWS`); the store writes only the picked lanes.
+            unsafe {
+                _mm512_mask_compressstoreu_epi32(weights.as_mut_ptr().add(kept).cast(), nonzero, w)
+            };
+            let mut bits = nonzero;
+            while bits != 0 {
+                let j = bits.trailing_zeros() as usize;
+                rows[kept] = first + (16 * h + j) * stride;
+                kept += 1;
+                bits &= bits - 1;
+            }
+        }
+        let mut sums = [[_mm512_setzero_si512(); 4]; 4];
+        let base = v.as_ptr();
+        for g in 0..kept.div_ceil(4) {
+            let mut packed = 0u32;
+            // A missing row (past the last kept key) repeats the group's first, times zero.
+            let mut at = [rows[4 * g]; 4];
+            for i in 0..4.min(kept - 4 * g) {
+                packed |= (weights[4 * g + i] as u32) << (8 * i);
+                at[i] = rows[4 * g + i];
+            }
+            let packed = _mm512_set1_epi32(packed as i32);
+            for (c, sum) in sums[..chunks].iter_mut().enumerate() {
+                // SAFETY: each row holds `acc.len()` values inside `v` (checked by the
+                // caller), so its chunk `c` is 64 readable bytes; the loads are unaligned.
+                let r = at.map(|at| unsafe { _mm512_loadu_si512(base.add(at + 64 * c).cast()) });
+                let (lo01, hi01) = (
+                    _mm512_unpacklo_epi8(r[0], r[1]),
+                    _mm512_unpackhi_epi8(r[0], r[1]),
+                );
+                let (lo23, hi23) = (
+                    _mm512_unpacklo_epi8(r[2], r[3]),
+                    _mm512_unpackhi_epi8(r[2], r[3]),
+                );
+                let quads = [
+                    _mm512_unpacklo_epi16(lo01, lo23),
+                    _mm512_unpackhi_epi16(lo01, lo23),
+                    _mm512_unpacklo_epi16(hi01, hi23),
+                    _mm512_unpackhi_epi16(hi01, hi23),
+                ];
+                for (s, quad) in sum.iter_mut().zip(quads) {
+                    *s = _mm512_dpbusd_epi32(*s, packed, quad);
+                }
+            }
+        }
+        for (c, [a0, a1, a2, a3]) in sums[..chunks].iter().copied().enumerate() {
+            // 128-bit lane L of the result `L` holds values 16 L.. in order: lanes L of
+            // a0, a1, a2, a3.
+            let u0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(a0, a1);
+            let u1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(a0, a1);
+            let u2 = _mm512_shuffle_i32x4::<0b01_00_01_00>(a2, a3);
+            let u3 = _mm512_shuffle_i32x4::<0b11_10_11_10>(a2, a3);
+            let ordered = [
+                _mm512_shuffle_i32x4::<0b10_00_10_00>(u0, u2),
+                _mm512_shuffle_i32x4::<0b11_01_11_01>(u0, u2),
+                _mm512_shuffle_i32x4::<0b10_00_10_00>(u1, u3),
+                _mm512_shuffle_i32x4::<0b11_01_11_01>(u1, u3),
+            ];
+            for (l, o) in ordered.into_iter().enumerate() {
+                let dst: &mut [i32; 16] = (&mut acc[64 * c + 16 * l..64 * c + 16 * l + 16])
+                    .try_into()
+                    .expect("16 lanes");
+                // SAFETY: `dst` is 16 readable and writable i32s; both accesses unaligned.
+                unsafe {
+                    let sum = _mm512_add_epi32(_mm512_loadu_si512(dst.as_ptr().cast()), o);
+                    _mm512_storeu_si512(dst.as_mut_ptr().cast(), sum);
+                }
+            }
+        }
+    }
+
     /// See [`super::block_dots`]; the caller checked [`takes`], the bounds, and that `out`
     /// has `n · blocks` elements.
     #[target_feature(enable = "avx512f,avx512vnni")]
@@ -540,6 +693,29 @@ mod tests {
                     unsafe { avx512::block_dots(&q, &keys, stride, n, &mut each) };
                     prop_assert_eq!(&each, &slow);
                 }
+            }
+        }
+
+        #[test]
+        fn add_block_rows_are_their_definition(width in prop::sample::select(vec![0usize, 8, 40, 64, 128, 192, 256, 320]),
+                                               n in 0usize..=BLOCK_ROWS, pad in 0usize..70, first in 0usize..9,
+                                               weights in prop::collection::vec(prop_oneof![Just(0i32), 0i32..=127, Just(127)], BLOCK_ROWS),
+                                               seed in any::<u64>(), extreme in any::<bool>()) {
+            let stride = width + pad;
+            let v = bytes(first + n * stride + 5, seed, extreme);
+            let q = &weights[..n];
+            let start: Vec<i32> = (0..width as i32).map(|i| i * 977 - 40_000).collect();
+            let mut fast = start.clone();
+            add_block_rows(&mut fast, &v, first, stride, q);
+            let mut slow = start.clone();
+            add_block_rows_scalar(&mut slow, &v, first, stride, q);
+            prop_assert_eq!(&fast, &slow);
+            #[cfg(target_arch = "x86_64")]
+            if avx512::takes_rows(width) {
+                let mut each = start.clone();
+                // SAFETY: AVX-512 VNNI was detected; the bounds hold by construction.
+                unsafe { avx512::add_block_rows(&mut each, &v, first, stride, q) };
+                prop_assert_eq!(&each, &slow);
             }
         }
 

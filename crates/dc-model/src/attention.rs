@@ -502,7 +502,7 @@ const SCORE_F64_SPAN: i32 = 15;
 /// One query head at absolute position `pos`: the same values as
 /// [`reference::head_attention`] (property-tested bit for bit), without its per-head
 /// allocations, with each `exp` taken once, the block dot products and value rows in vector
-/// loops ([`int8::block_dots`], [`int8::add_scaled_rows`]), a key's score summed in f64 where
+/// loops ([`int8::block_dots`], [`int8::add_block_rows`]), a key's score summed in f64 where
 /// that is exact, and each output's block terms summed once in an i64 where they fit. `simd`:
 /// the per-key f64 loops four keys at a time where the CPU has AVX2 (the same bits).
 #[allow(clippy::too_many_arguments)]
@@ -599,19 +599,15 @@ fn head_attention(
         let s = scale_for_amax_f64(amax);
         let (inv, m) = (pow2(-(s.e as i32)), s.m as f64);
         probabilities_loops(simd).1(pv, inv, m, qp);
-        // The keys with a nonzero quantised probability, as (probability, value row). Every
-        // key is written and only a nonzero one kept (the count moves by the test): which
-        // probabilities round to zero follows no pattern a branch predictor could learn, and
-        // a branch per key cost more than the value rows' arithmetic.
-        let mut picks = [(0i8, 0usize); BLOCK];
-        let mut kept = 0;
-        for (j, &q) in (j0..=j1).zip(qp.iter()) {
-            picks[kept] = (q as i8, (j * kvh + g) * hd);
-            kept += usize::from(q != 0);
-        }
         let at = ctx_acc.len();
         ctx_acc.resize(at + hd, 0);
-        int8::add_scaled_rows(&mut ctx_acc[at..], &cache.v_q, &picks[..kept]);
+        int8::add_block_rows(
+            &mut ctx_acc[at..],
+            &cache.v_q,
+            (j0 * kvh + g) * hd,
+            kvh * hd,
+            qp,
+        );
         ctx_scales.push(s);
     }
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
