@@ -39,6 +39,9 @@ pub struct LayerCache {
     k_q: Vec<i8>,
     /// `[pos][kv_head][hb]`.
     k_s: Vec<BlockScale>,
+    /// `k_s` again, each scale packed in one i32 as `m | e << 16`: what the AVX-512 scores
+    /// gather, sixteen keys at once.
+    k_me: Vec<i32>,
     /// `[pos][kv_head][head_dim]`.
     v_q: Vec<i8>,
     /// `[pos][kv_head]`: V's power-of-two exponent.
@@ -116,6 +119,7 @@ impl LayerCache {
             hb: head_dim.div_ceil(BLOCK),
             k_q: Vec::new(),
             k_s: Vec::new(),
+            k_me: Vec::new(),
             v_q: Vec::new(),
             v_e: Vec::new(),
             len: 0,
@@ -144,7 +148,10 @@ impl LayerCache {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.k_q.len() + self.v_q.len() + self.k_s.len() * 4 + self.v_e.len() * 2
+        self.k_q.len()
+            + self.v_q.len()
+            + (self.k_s.len() + self.k_me.len()) * 4
+            + self.v_e.len() * 2
     }
 
     /// Bytes of one position's canonical encoding: per kv head, the key's int8 blocks (padded
@@ -190,12 +197,21 @@ impl LayerCache {
         Ok(c)
     }
 
+    /// Appends one key block's scale (to `k_s` and, packed, to `k_me`).
+    fn push_key_scale(&mut self, s: BlockScale) {
+        self.k_s.push(s);
+        self.k_me.push(s.m as i32 | (s.e as i32) << 16);
+    }
+
     /// Keeps only the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
-        if len < self.len {
+        // Also when `len` is the length held: a refused extension may have written part of a
+        // row past it, which must not stay in front of the next row.
+        if len <= self.len {
             let per = self.kv_heads;
             self.k_q.truncate(len * per * self.hb * BLOCK);
             self.k_s.truncate(len * per * self.hb);
+            self.k_me.truncate(len * per * self.hb);
             self.v_q.truncate(len * per * self.head_dim);
             self.v_e.truncate(len * per);
             self.len = len;
@@ -229,6 +245,7 @@ impl LayerCache {
         // few rows per check, and an exact reservation would copy the whole cache each time.
         c.k_q.reserve(n * kv_heads * hb * BLOCK);
         c.k_s.reserve(n * kv_heads * hb);
+        c.k_me.reserve(n * kv_heads * hb);
         c.v_q.reserve(n * kv_heads * head_dim);
         c.v_e.reserve(n * kv_heads);
         let first = c.len;
@@ -262,7 +279,7 @@ impl LayerCache {
                     if s[0] < 128 || !exponent_ok(e) {
                         return Err(bad("a key scale out of range", pos));
                     }
-                    c.k_s.push(BlockScale { m: s[0], e });
+                    c.push_key_scale(BlockScale { m: s[0], e });
                 }
                 at += hb * 3;
                 c.v_q
@@ -291,7 +308,8 @@ impl LayerCache {
                 for b in 0..self.hb {
                     let vals = &kh[b * BLOCK..((b + 1) * BLOCK).min(self.head_dim)];
                     let mut q = [0i8; BLOCK];
-                    self.k_s.push(quantize_block(vals, &mut q));
+                    let scale = quantize_block(vals, &mut q);
+                    self.push_key_scale(scale);
                     self.k_q.extend_from_slice(&q);
                 }
                 let vh = &vr[g * self.head_dim..(g + 1) * self.head_dim];
@@ -1058,6 +1076,41 @@ mod tests {
         assert_eq!(done[1].1.len(), 2);
         assert_eq!(done[1].1[0], cache_row_leaf(3, &bytes[..cache.row_bytes()]));
         assert_eq!(done[1].1[1], cache_row_leaf(4, &bytes[cache.row_bytes()..]));
+    }
+
+    /// A refused row leaves nothing behind, even a row refused half way through (its key
+    /// bytes read, its scale out of range): the next rows land where they belong.
+    #[test]
+    fn a_refused_cache_row_leaves_the_cache_as_it_was() {
+        let (kvh, hd) = (2, 40);
+        let mut whole = LayerCache::new(kvh, hd);
+        for p in 0..4 {
+            let kv: Vec<f32> = (0..kvh * hd)
+                .map(|i| ((p * 97 + i) as f32 * 0.31).sin())
+                .collect();
+            whole
+                .append(&kv, &kv.iter().map(|x| x * 3.0).collect::<Vec<_>>())
+                .unwrap();
+        }
+        let rows = whole.encode_rows(0..4);
+        let rb = whole.row_bytes();
+        // Row 2 with its first key scale's mantissa below 128: refused after its key bytes.
+        let mut bad = rows[2 * rb..3 * rb].to_vec();
+        bad[2 * BLOCK] = 5;
+        let mut cache = LayerCache::from_encoded(kvh, hd, &rows[..2 * rb]).unwrap();
+        assert!(cache.extend_encoded(&bad).is_err());
+        assert_eq!(cache.len(), 2);
+        cache.extend_encoded(&rows[2 * rb..]).unwrap();
+        assert_eq!(cache.encode_rows(0..4), rows);
+        assert_eq!(cache.k_me, whole.k_me);
+        assert_eq!(cache.bytes(), whole.bytes());
+        // And refused after whole rows went in: back to the rows held before.
+        let mut cache = LayerCache::from_encoded(kvh, hd, &rows[..2 * rb]).unwrap();
+        let tail = [&rows[2 * rb..3 * rb], &bad[..]].concat();
+        assert!(cache.extend_encoded(&tail).is_err());
+        assert_eq!(cache.encode_rows(0..2), rows[..2 * rb]);
+        cache.extend_encoded(&rows[2 * rb..]).unwrap();
+        assert_eq!(cache.encode_rows(0..4), rows);
     }
 
     #[test]
