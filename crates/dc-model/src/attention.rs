@@ -26,6 +26,8 @@ use crate::error::{ModelError, Result};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod reference;
 
 /// The quantised keys and values of one layer for one generation.
@@ -39,14 +41,32 @@ pub struct LayerCache {
     k_q: Vec<i8>,
     /// `[pos][kv_head][hb]`.
     k_s: Vec<BlockScale>,
-    /// `k_s` again, each scale packed in one i32 as `m | e << 16`: what the AVX-512 scores
-    /// gather, sixteen keys at once.
-    k_me: Vec<i32>,
+    /// `k_s` again, each scale packed in one i32 as `m | e << 16`, one column per kv head
+    /// and block (`[kv_head · hb + block][pos]`): the AVX-512 scores load sixteen keys'
+    /// scales of a block at once.
+    k_me: Vec<Vec<i32>>,
     /// `[pos][kv_head][head_dim]`.
     v_q: Vec<i8>,
     /// `[pos][kv_head]`: V's power-of-two exponent.
     v_e: Vec<i16>,
     len: usize,
+}
+
+/// A key block's scale packed in one i32, `m | e << 16`, as the AVX-512 scores gather it.
+fn pack_scale(s: BlockScale) -> i32 {
+    s.m as i32 | (s.e as i32) << 16
+}
+
+/// The tests' stand-in for a kv head's packed columns: block `b` of key `i` (at
+/// `scales[i · stride + b]`) packed at `[b][first + i]`.
+#[cfg(test)]
+fn pack_scales(scales: &[BlockScale], stride: usize, hb: usize, first: usize) -> Vec<Vec<i32>> {
+    (0..hb)
+        .map(|b| {
+            let keys = scales.chunks(stride).map(|key| pack_scale(key[b]));
+            std::iter::repeat_n(0, first).chain(keys).collect()
+        })
+        .collect()
 }
 
 /// V's exponent for a head vector with largest magnitude `amax`: `floor(log2 amax) − 6`, so
@@ -119,7 +139,7 @@ impl LayerCache {
             hb: head_dim.div_ceil(BLOCK),
             k_q: Vec::new(),
             k_s: Vec::new(),
-            k_me: Vec::new(),
+            k_me: vec![Vec::new(); kv_heads * head_dim.div_ceil(BLOCK)],
             v_q: Vec::new(),
             v_e: Vec::new(),
             len: 0,
@@ -148,10 +168,7 @@ impl LayerCache {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.k_q.len()
-            + self.v_q.len()
-            + (self.k_s.len() + self.k_me.len()) * 4
-            + self.v_e.len() * 2
+        self.k_q.len() + self.v_q.len() + (self.k_s.len() * 2) * 4 + self.v_e.len() * 2
     }
 
     /// Bytes of one position's canonical encoding: per kv head, the key's int8 blocks (padded
@@ -197,10 +214,12 @@ impl LayerCache {
         Ok(c)
     }
 
-    /// Appends one key block's scale (to `k_s` and, packed, to `k_me`).
+    /// Appends one key block's scale (to `k_s` and, packed, to its column of `k_me`): the
+    /// scales come in `k_s`'s order, so the count so far names the kv head and block.
     fn push_key_scale(&mut self, s: BlockScale) {
+        let column = self.k_s.len() % self.k_me.len();
         self.k_s.push(s);
-        self.k_me.push(s.m as i32 | (s.e as i32) << 16);
+        self.k_me[column].push(pack_scale(s));
     }
 
     /// Keeps only the first `len` positions.
@@ -211,7 +230,9 @@ impl LayerCache {
             let per = self.kv_heads;
             self.k_q.truncate(len * per * self.hb * BLOCK);
             self.k_s.truncate(len * per * self.hb);
-            self.k_me.truncate(len * per * self.hb);
+            for column in &mut self.k_me {
+                column.truncate(len);
+            }
             self.v_q.truncate(len * per * self.head_dim);
             self.v_e.truncate(len * per);
             self.len = len;
@@ -245,7 +266,9 @@ impl LayerCache {
         // few rows per check, and an exact reservation would copy the whole cache each time.
         c.k_q.reserve(n * kv_heads * hb * BLOCK);
         c.k_s.reserve(n * kv_heads * hb);
-        c.k_me.reserve(n * kv_heads * hb);
+        for column in &mut c.k_me {
+            column.reserve(n);
+        }
         c.v_q.reserve(n * kv_heads * head_dim);
         c.v_e.reserve(n * kv_heads);
         let first = c.len;
@@ -574,26 +597,41 @@ fn head_attention(
     );
     let keys = KeyScales {
         scales: &cache.k_s[(lo * kvh + g) * hb..],
+        packed: &cache.k_me[g * hb..(g + 1) * hb],
         stride: kvh * hb,
         first: lo,
     };
     #[cfg(target_arch = "x86_64")]
     let simd = simd && avx2::available();
-    match (hb, simd) {
-        // The common head widths (32, 64, 96, 128) with the block loop unrolled.
+    #[cfg(target_arch = "x86_64")]
+    let wide = simd && avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    match (hb, simd, wide) {
+        // The common head widths (32, 64, 96, 128) with the block loop unrolled, sixteen keys
+        // at a time where the CPU has AVX-512, four where it has AVX2.
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY (each): AVX-512F was detected; `packed` mirrors `scales` (the cache's).
+        (1, _, true) => unsafe { avx512::scores::<1>(qs, dots, keys, scale, pos, scores) },
+        #[cfg(target_arch = "x86_64")]
+        (2, _, true) => unsafe { avx512::scores::<2>(qs, dots, keys, scale, pos, scores) },
+        #[cfg(target_arch = "x86_64")]
+        (3, _, true) => unsafe { avx512::scores::<3>(qs, dots, keys, scale, pos, scores) },
+        #[cfg(target_arch = "x86_64")]
+        (4, _, true) => unsafe { avx512::scores::<4>(qs, dots, keys, scale, pos, scores) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY (each): AVX2 was detected.
-        (1, true) => unsafe { avx2::scores::<1>(qs, dots, keys, scale, pos, scores) },
+        (1, true, _) => unsafe { avx2::scores::<1>(qs, dots, keys, scale, pos, scores) },
         #[cfg(target_arch = "x86_64")]
-        (2, true) => unsafe { avx2::scores::<2>(qs, dots, keys, scale, pos, scores) },
+        (2, true, _) => unsafe { avx2::scores::<2>(qs, dots, keys, scale, pos, scores) },
         #[cfg(target_arch = "x86_64")]
-        (3, true) => unsafe { avx2::scores::<3>(qs, dots, keys, scale, pos, scores) },
+        (3, true, _) => unsafe { avx2::scores::<3>(qs, dots, keys, scale, pos, scores) },
         #[cfg(target_arch = "x86_64")]
-        (4, true) => unsafe { avx2::scores::<4>(qs, dots, keys, scale, pos, scores) },
-        (1, _) => scores_of::<1>(qs, dots, keys, scale, pos, scores),
-        (2, _) => scores_of::<2>(qs, dots, keys, scale, pos, scores),
-        (3, _) => scores_of::<3>(qs, dots, keys, scale, pos, scores),
-        (4, _) => scores_of::<4>(qs, dots, keys, scale, pos, scores),
+        (4, true, _) => unsafe { avx2::scores::<4>(qs, dots, keys, scale, pos, scores) },
+        (1, ..) => scores_of::<1>(qs, dots, keys, scale, pos, scores),
+        (2, ..) => scores_of::<2>(qs, dots, keys, scale, pos, scores),
+        (3, ..) => scores_of::<3>(qs, dots, keys, scale, pos, scores),
+        (4, ..) => scores_of::<4>(qs, dots, keys, scale, pos, scores),
         _ => scores_any(qs, dots, keys, scale, pos, scores),
     }?;
     softmax_with(scores, exps);
@@ -687,6 +725,9 @@ fn score_overflow(key: usize, pos: usize) -> String {
 #[derive(Clone, Copy)]
 struct KeyScales<'a> {
     scales: &'a [BlockScale],
+    /// The same scales packed as `m | e << 16`, one column per block (the cache's `k_me` of
+    /// this kv head): key `i`'s block `b` at `packed[b][first + i]`.
+    packed: &'a [Vec<i32>],
     stride: usize,
     first: usize,
 }

@@ -207,8 +207,10 @@ mod tests {
         scales: &[BlockScale],
         stride: usize,
     ) -> [(Result<(), String>, Vec<u32>); 2] {
+        let packed = super::super::pack_scales(scales, stride, qs.len(), 5);
         let keys = KeyScales {
             scales,
+            packed: &packed,
             stride,
             first: 5,
         };

@@ -1,0 +1,239 @@
+//! The AVX-512 form of the scores loop, sixteen keys at a time: their block scales loaded
+//! from the cache's packed columns (`m | e << 16`, one per block) and their block dot
+//! products from the dots, then the AVX2 form's f64 operations on the same operands in the same order, in two
+//! halves of eight. Every lane gives the scalar loop's bits; a key the f64 path cannot take
+//! (block exponents too far apart, a score out of the f32 range) is redone by the scalar code.
+
+use std::arch::x86_64::*;
+
+use dc_kernels::quant::BlockScale;
+
+use super::{key_score, score_overflow, KeyScales, SCORE_F64_SPAN};
+
+/// Whether this CPU runs the loop (detected once by the standard library).
+pub(super) fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+}
+
+/// `2^e` per lane for eight exponents in the f64 normal range: [`super::pow2`]'s bits.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pow2(e: __m256i) -> __m512d {
+    let biased = _mm512_add_epi64(_mm512_cvtepi32_epi64(e), _mm512_set1_epi64(1023));
+    _mm512_castsi512_pd(_mm512_slli_epi64::<52>(biased))
+}
+
+/// The exact block terms `d · (m_q · m_k) · 2^e` of eight keys, added to `sum`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn add_terms(sum: __m512d, d: __m256i, m: __m256i, e: __m256i) -> __m512d {
+    // `D · (m_q · m_k)`: below 2^35, so the f64 product is the scalar's exact i64.
+    let t = _mm512_mul_pd(_mm512_cvtepi32_pd(d), _mm512_cvtepi32_pd(m));
+    _mm512_add_pd(sum, _mm512_mul_pd(t, pow2(e)))
+}
+
+/// [`super::scores_of`] for `HB` blocks per head: every key's score, scaled, into `scores`.
+///
+/// # Safety
+/// The CPU must have AVX-512F, and `keys.packed` must mirror `keys.scales`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn scores<const HB: usize>(
+    qs: &[BlockScale],
+    dots: &[i32],
+    keys: KeyScales,
+    scale: f32,
+    pos: usize,
+    scores: &mut Vec<f32>,
+) -> Result<(), String> {
+    let qs: &[BlockScale; HB] = qs.try_into().expect("HB query blocks");
+    let n = dots.len() / HB;
+    scores.clear();
+    scores.resize(n, 0.0);
+    let scalar = |i: usize, scores: &mut [f32]| {
+        let ks = &keys.scales[i * keys.stride..i * keys.stride + HB];
+        let dot = key_score(qs, ks, &dots[i * HB..(i + 1) * HB])
+            .ok_or_else(|| score_overflow(keys.first + i, pos))?;
+        scores[i] = dot * scale;
+        Ok::<(), String>(())
+    };
+    let whole = n / 16 * 16;
+    assert!(
+        whole == 0 || keys.packed.iter().all(|c| c.len() >= keys.first + whole),
+        "every key's packed scales are held"
+    );
+    assert!(
+        whole * HB <= i32::MAX as usize,
+        "the gathered dots' indices fit an i32"
+    );
+    let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // Two blocks per key: the even and odd dots of 32 in a row.
+    let (even, odd) = (
+        _mm512_add_epi32(lane, lane),
+        _mm512_add_epi32(_mm512_add_epi32(lane, lane), _mm512_set1_epi32(1)),
+    );
+    let (scale16, span) = (_mm512_set1_ps(scale), _mm512_set1_epi32(SCORE_F64_SPAN));
+    for i in (0..whole).step_by(16) {
+        let dot_at = _mm512_mullo_epi32(
+            _mm512_add_epi32(lane, _mm512_set1_epi32(i as i32)),
+            _mm512_set1_epi32(HB as i32),
+        );
+        let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        let (mut emin, mut emax) = (_mm512_set1_epi32(i32::MAX), _mm512_set1_epi32(i32::MIN));
+        // SAFETY (the loads and gathers below): the sixteen keys' dots are inside `dots` (`i
+        // + 16 <= n`) and their packed scales inside each column (asserted above); the loads
+        // are unaligned.
+        let pair = match HB {
+            2 => unsafe {
+                let (a, b) = (
+                    _mm512_loadu_si512(dots.as_ptr().add(2 * i).cast()),
+                    _mm512_loadu_si512(dots.as_ptr().add(2 * i + 16).cast()),
+                );
+                Some((
+                    _mm512_permutex2var_epi32(a, even, b),
+                    _mm512_permutex2var_epi32(a, odd, b),
+                ))
+            },
+            _ => None,
+        };
+        for (b, q) in qs.iter().enumerate() {
+            let me =
+                unsafe { _mm512_loadu_si512(keys.packed[b][keys.first + i..].as_ptr().cast()) };
+            let d = match (HB, pair) {
+                (1, _) => unsafe { _mm512_loadu_si512(dots.as_ptr().add(i).cast()) },
+                (_, Some((d0, d1))) => [d0, d1][b],
+                _ => unsafe {
+                    _mm512_i32gather_epi32::<4>(
+                        _mm512_add_epi32(dot_at, _mm512_set1_epi32(b as i32)),
+                        dots.as_ptr(),
+                    )
+                },
+            };
+            let m = _mm512_mullo_epi32(
+                _mm512_and_si512(me, _mm512_set1_epi32(0xff)),
+                _mm512_set1_epi32(q.m as i32),
+            );
+            let e = _mm512_add_epi32(_mm512_srai_epi32::<16>(me), _mm512_set1_epi32(q.e as i32));
+            let half = |v: __m512i, h: bool| match h {
+                false => _mm512_castsi512_si256(v),
+                true => _mm512_extracti64x4_epi64::<1>(v),
+            };
+            lo = add_terms(lo, half(d, false), half(m, false), half(e, false));
+            hi = add_terms(hi, half(d, true), half(m, true), half(e, true));
+            emin = _mm512_min_epi32(emin, e);
+            emax = _mm512_max_epi32(emax, e);
+        }
+        let dot = _mm512_castsi512_ps(_mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_castps_si256(_mm512_cvtpd_ps(lo))),
+            _mm256_castps_si256(_mm512_cvtpd_ps(hi)),
+        ));
+        let dst: &mut [f32; 16] = (&mut scores[i..i + 16]).try_into().expect("16 lanes");
+        // SAFETY: `dst` is 16 writable f32s; the store is unaligned.
+        unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_mul_ps(dot, scale16)) };
+        // Lanes to redo: exponents too far apart for the f64 sum, or a score out of range.
+        let wide = _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(emax, emin), span);
+        let bits = _mm512_and_si512(_mm512_castps_si512(dot), _mm512_set1_epi32(0x7fff_ffff));
+        let overflow = _mm512_cmpge_epu32_mask(bits, _mm512_set1_epi32(0x7f80_0000));
+        let mut redo = wide | overflow;
+        while redo != 0 {
+            scalar(i + redo.trailing_zeros() as usize, scores)?;
+            redo &= redo - 1;
+        }
+    }
+    for i in whole..n {
+        scalar(i, scores)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{pack_scales, scores_of};
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Random block scales: exponents near zero (`wide`: anywhere from −40 to 100, so block
+    /// terms far apart and scores past the f32 range), mantissas in [128, 255].
+    fn scale(r: u64, wide: bool) -> BlockScale {
+        let e = match wide {
+            true => (r % 141) as i16 - 40,
+            false => (r % 9) as i16 - 4,
+        };
+        BlockScale {
+            m: 128 + (r >> 16) as u8 % 128,
+            e,
+        }
+    }
+
+    fn bits(r: Result<(), String>, v: &[f32]) -> (Result<(), String>, Vec<u32>) {
+        (r, v.iter().map(|x| x.to_bits()).collect())
+    }
+
+    /// This form and the scalar loop for `HB` blocks, as (result, bits).
+    fn both<const HB: usize>(
+        qs: &[BlockScale],
+        dots: &[i32],
+        scales: &[BlockScale],
+        stride: usize,
+    ) -> [(Result<(), String>, Vec<u32>); 2] {
+        let packed = pack_scales(scales, stride, qs.len(), 5);
+        let keys = KeyScales {
+            scales,
+            packed: &packed,
+            stride,
+            first: 5,
+        };
+        let (mut fast, mut slow) = (Vec::new(), Vec::new());
+        // SAFETY: only called where AVX-512F was detected; `packed` mirrors `scales`.
+        let f = unsafe { scores::<HB>(qs, dots, keys, 0.125, 9, &mut fast) };
+        let s = scores_of::<HB>(qs, dots, keys, 0.125, 9, &mut slow);
+        // An error leaves the scores unspecified: compare them only when both succeed.
+        match (&f, &s) {
+            (Ok(()), Ok(())) => [bits(f, &fast), bits(s, &slow)],
+            _ => [bits(f, &[]), bits(s, &[])],
+        }
+    }
+
+    /// A key whose second block term is 60 binary places below the first (the f64 sum would
+    /// round the other way than the exact one), in every lane of a group of sixteen.
+    #[test]
+    fn a_key_with_far_apart_block_terms_takes_the_exact_sum() {
+        if !available() {
+            return;
+        }
+        let qs = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
+        let key = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
+        let scales: Vec<BlockScale> = (0..20).flat_map(|_| key).collect();
+        let dots: Vec<i32> = (0..20).flat_map(|_| [1009, 1]).collect();
+        let [fast, slow] = both::<2>(&qs, &dots, &scales, 2);
+        assert_eq!(fast, slow);
+        assert_eq!(fast.1[3], (16_790_770.0f32 * 0.125).to_bits());
+    }
+
+    proptest! {
+        #[test]
+        fn scores_are_the_scalar_loop_bit_for_bit(hb in 1usize..5, n in 0usize..70,
+                                                  pad in 0usize..3, wide: bool, seed: u64) {
+            prop_assume!(available());
+            let mut s = seed | 1;
+            let mut next = move || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s
+            };
+            let stride = hb + pad;
+            let qs: Vec<BlockScale> = (0..hb).map(|_| scale(next(), wide)).collect();
+            let scales: Vec<BlockScale> = (0..n * stride).map(|_| scale(next(), wide)).collect();
+            let top = 32 * 128 * 128;
+            let dots: Vec<i32> =
+                (0..n * hb).map(|_| (next() % (2 * top as u64 + 1)) as i32 - top).collect();
+            let [fast, slow] = match hb {
+                1 => both::<1>(&qs, &dots, &scales, stride),
+                2 => both::<2>(&qs, &dots, &scales, stride),
+                3 => both::<3>(&qs, &dots, &scales, stride),
+                _ => both::<4>(&qs, &dots, &scales, stride),
+            };
+            prop_assert_eq!(fast, slow);
+        }
+    }
+}
