@@ -433,7 +433,8 @@ pub enum AttentionKernel {
     Reference,
     /// Scratch buffers reused per worker, each `exp` once, the per-key int8 loops of
     /// [`dc_kernels::int8`], and the per-key f64 loops (scores from block products, quantised
-    /// probabilities) four keys at a time with AVX2 where the CPU has it.
+    /// probabilities) four keys at a time with AVX2 where the CPU has it (the scores sixteen
+    /// at a time with AVX-512).
     #[default]
     Fast,
     /// [`AttentionKernel::Fast`] with its per-key f64 loops one key at a time: what a CPU

@@ -36,8 +36,9 @@ pub fn head_bytes(cfg: &ModelConfig) -> u64 {
 /// Bytes the KV cache of one layer needs per position.
 pub fn kv_bytes_per_position(cfg: &ModelConfig) -> u64 {
     let w = cfg.kv_width() as u64;
-    // K: int8 plus a 4-byte scale per 32; V: int8 plus a 2-byte exponent per head.
-    2 * w + w / 8 + 2 * cfg.num_kv_heads as u64 + 4
+    // K: int8 plus a 4-byte scale per 32, held twice (as scales and packed for the vector
+    // scores); V: int8 plus a 2-byte exponent per head.
+    2 * w + w / 4 + 2 * cfg.num_kv_heads as u64 + 4
 }
 
 /// Layers that fit `budget` after the head weights (if held) and a reserve for KV caches.
