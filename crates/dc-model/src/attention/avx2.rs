@@ -168,84 +168,16 @@ pub(super) unsafe fn quantized_probabilities(pv: &[f64], inv: f64, m: f64, out: 
 
 #[cfg(test)]
 mod tests {
-    use super::super::{pow2 as pow2_scalar, scores_of};
+    use super::super::pow2 as pow2_scalar;
+    use super::super::scores_forms::{far_apart_terms, random_case, xorshift};
     use super::*;
     use proptest::prelude::*;
 
-    /// Random block scales: exponents near zero (`wide`: anywhere from −40 to 100, so block
-    /// terms far apart and scores past the f32 range), mantissas in [128, 255].
-    fn scale(r: u64, wide: bool) -> BlockScale {
-        let e = match wide {
-            true => (r % 141) as i16 - 40,
-            false => (r % 9) as i16 - 4,
-        };
-        BlockScale {
-            m: 128 + (r >> 16) as u8 % 128,
-            e,
-        }
-    }
-
-    /// A deterministic stream of random words from `seed`.
-    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-        let mut s = seed | 1;
-        move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        }
-    }
-
-    fn bits(r: Result<(), String>, v: &[f32]) -> (Result<(), String>, Vec<u32>) {
-        (r, v.iter().map(|x| x.to_bits()).collect())
-    }
-
-    /// Both forms of [`super::scores`] for `HB` blocks, as (result, bits).
-    fn both<const HB: usize>(
-        qs: &[BlockScale],
-        dots: &[i32],
-        scales: &[BlockScale],
-        stride: usize,
-    ) -> [(Result<(), String>, Vec<u32>); 2] {
-        let packed = super::super::pack_scales(scales, stride, qs.len(), 5);
-        let keys = KeyScales {
-            scales,
-            packed: &packed,
-            stride,
-            first: 5,
-        };
-        let (mut fast, mut slow) = (Vec::new(), Vec::new());
-        // SAFETY: only called where AVX2 was detected.
-        let f = unsafe { scores::<HB>(qs, dots, keys, 0.125, 9, &mut fast) };
-        let s = scores_of::<HB>(qs, dots, keys, 0.125, 9, &mut slow);
-        // An error leaves the scores unspecified: compare them only when both succeed.
-        match (&f, &s) {
-            (Ok(()), Ok(())) => [bits(f, &fast), bits(s, &slow)],
-            _ => [bits(f, &[]), bits(s, &[])],
-        }
-    }
-
-    /// A key whose second block term is 60 binary places below the first: its f64 sum is
-    /// the first term alone, an f32 tie that rounds down to even, while the exact sum is just
-    /// above the tie and rounds up. A form that summed it in f64 would differ.
     #[test]
     fn a_key_with_far_apart_block_terms_takes_the_exact_sum() {
-        if !available() {
-            return;
+        if available() {
+            far_apart_terms(scores::<2>, 5);
         }
-        let qs = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
-        // 1009 · 129 · 129 = 16 790 769: 25 significant bits, odd.
-        let key = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
-        let scales: Vec<BlockScale> = (0..5).flat_map(|_| key).collect();
-        let dots: Vec<i32> = (0..5).flat_map(|_| [1009, 1]).collect();
-        let [fast, slow] = both::<2>(&qs, &dots, &scales, 2);
-        assert_eq!(fast, slow);
-        // Just above the tie at 16 790 769: the exact sum rounds up, the f64 sum (the first
-        // term alone) to the even neighbour below.
-        let exact = 16_790_770.0f32 * 0.125;
-        let f64_sum = (16_790_769.0f64 + pow2_scalar(-46)) as f32 * 0.125;
-        assert_eq!(fast.1[0], exact.to_bits());
-        assert_ne!(exact, f64_sum, "the f64 sum would round the other way");
     }
 
     proptest! {
@@ -253,19 +185,8 @@ mod tests {
         fn scores_are_the_scalar_loop_bit_for_bit(hb in 1usize..5, n in 0usize..40,
                                                   pad in 0usize..3, wide: bool, seed: u64) {
             prop_assume!(available());
-            let mut next = xorshift(seed);
-            let stride = hb + pad;
-            let qs: Vec<BlockScale> = (0..hb).map(|_| scale(next(), wide)).collect();
-            let scales: Vec<BlockScale> = (0..n * stride).map(|_| scale(next(), wide)).collect();
-            let top = 32 * 128 * 128;
-            let dots: Vec<i32> =
-                (0..n * hb).map(|_| (next() % (2 * top as u64 + 1)) as i32 - top).collect();
-            let [fast, slow] = match hb {
-                1 => both::<1>(&qs, &dots, &scales, stride),
-                2 => both::<2>(&qs, &dots, &scales, stride),
-                3 => both::<3>(&qs, &dots, &scales, stride),
-                _ => both::<4>(&qs, &dots, &scales, stride),
-            };
+            let forms = [scores::<1>, scores::<2>, scores::<3>, scores::<4>];
+            let [fast, slow] = random_case(forms, hb, n, pad, wide, seed);
             prop_assert_eq!(fast, slow);
         }
 
