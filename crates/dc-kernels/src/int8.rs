@@ -1,11 +1,10 @@
 //! The exact int8 loops attention runs per key: block dot products (scores) and rows of values
 //! times quantised probabilities added to i32 accumulators (context). SSE2 on x86_64 (part of
-//! the baseline: no detection needed), AVX2 where the CPU has it, and in AVX-512 VNNI where it
-//! has that the block dot products of heads of an even number of blocks and the value rows of
-//! heads of whole 64-byte chunks; the scalar definition elsewhere. Every form is
-//! property-tested against the definition. Every product of two
-//! int8s fits an i16, and every sum here fits an i32, so the vector forms compute the same
-//! integers whatever order they add them in.
+//! the baseline: no detection needed), AVX2 where the CPU has it, AVX-512 VNNI where it has
+//! that (the block dot products of heads of an even number of blocks, the value rows of heads
+//! of whole 64-byte chunks), the scalar definition elsewhere; every form is property-tested
+//! against the definition. Every product of two int8s fits an i16, and every sum here fits an
+//! i32, so the vector forms compute the same integers whatever order they add them in.
 
 use crate::quant::BLOCK;
 
@@ -115,9 +114,9 @@ pub const BLOCK_ROWS: usize = BLOCK;
 
 /// `acc_d += Σ_j q_j · v[first + j · stride + d]` for the (at most [`BLOCK_ROWS`]) weights
 /// `q_j` in `[0, 127]` and every `d < acc.len()`: a block of keys' value rows times their
-/// quantised probabilities. In AVX-512 VNNI where the CPU has it and the rows are whole
-/// 64-byte chunks (every key taken, four at a time, a zero weight adding zero); otherwise the
-/// keys with a nonzero weight are picked and [`add_scaled_rows`] adds them.
+/// quantised probabilities. Only the keys with a nonzero weight are added: in AVX-512 VNNI,
+/// four at a time, where the CPU has it and the rows are whole 64-byte chunks; otherwise by
+/// [`add_scaled_rows`].
 pub fn add_block_rows(acc: &mut [i32], v: &[i8], first: usize, stride: usize, q: &[i32]) {
     assert!(q.len() <= BLOCK_ROWS, "at most a block of rows");
     assert!(
@@ -421,12 +420,18 @@ mod sse2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    //! Block dot products in AVX-512 VNNI, for heads of an even number of blocks: one zmm holds
-    //! two blocks of a key, and `vpdpbusd` multiplies its bytes made unsigned (`k + 128`: the
-    //! sign bit flipped) by the query's signed bytes, adding groups of four into i32 lanes. That
-    //! adds `128 · Σ q` to each block's sum, which the first lane of the block starts at minus
-    //! of. Every lane stays far inside an i32 (`|lane| <= 4 · 255 · 128 + 128 · 32 · 128`), so
-    //! the sums are the definition's integers. Sixteen (key, block) sums are reduced at once.
+    //! The AVX-512 VNNI forms (`vpdpbusd`: four unsigned bytes times four signed ones, added
+    //! into an i32 lane).
+    //!
+    //! Block dot products, for heads of an even number of blocks: one zmm holds two blocks of
+    //! a key, whose bytes are made unsigned (`k + 128`: the sign bit flipped) and multiplied by
+    //! the query's signed bytes. That adds `128 · Σ q` to each block's sum, so each block's
+    //! first lane starts that much below zero. Every lane stays far inside an i32 (`|lane| <=
+    //! 4 · 255 · 128 + 128 · 32 · 128`), so the sums are the definition's integers. Sixteen
+    //! (key, block) sums are reduced at once.
+    //!
+    //! Value rows: the weights (probabilities, at most 127) are the unsigned bytes, four rows'
+    //! values interleaved the signed ones (see [`add_block_rows`]).
     use std::arch::x86_64::*;
 
     use crate::quant::BLOCK;

@@ -52,145 +52,9 @@ pub struct LayerCache {
     len: usize,
 }
 
-/// A key block's scale packed in one i32, `m | e << 16`, as the AVX-512 scores gather it.
+/// A key block's scale packed in one i32, `m | e << 16`, as the AVX-512 scores load it.
 fn pack_scale(s: BlockScale) -> i32 {
     s.m as i32 | (s.e as i32) << 16
-}
-
-/// What the tests of the vector forms of the scores loop share: random scales, a random
-/// case, and a form's result beside the scalar loop's.
-#[cfg(all(test, target_arch = "x86_64"))]
-mod scores_forms {
-    use super::{pack_scale, scores_of, BlockScale, KeyScales};
-
-    /// A vector form of [`scores_of`].
-    pub(super) type Form = unsafe fn(
-        &[BlockScale],
-        &[i32],
-        KeyScales,
-        f32,
-        usize,
-        &mut Vec<f32>,
-    ) -> Result<(), String>;
-
-    /// A deterministic stream of random words from `seed`.
-    pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-        let mut s = seed | 1;
-        move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        }
-    }
-
-    /// Random block scales: exponents near zero (`wide`: anywhere from −40 to 100, so block
-    /// terms far apart and scores past the f32 range), mantissas in [128, 255].
-    pub(super) fn scale(r: u64, wide: bool) -> BlockScale {
-        let e = match wide {
-            true => (r % 141) as i16 - 40,
-            false => (r % 9) as i16 - 4,
-        };
-        BlockScale {
-            m: 128 + (r >> 16) as u8 % 128,
-            e,
-        }
-    }
-
-    /// `forms[hb − 1]` (the form for `hb` blocks) against the scalar loop on a random case of
-    /// `n` keys, as (result, bits) each.
-    pub(super) fn random_case(
-        forms: [Form; 4],
-        hb: usize,
-        n: usize,
-        pad: usize,
-        wide: bool,
-        seed: u64,
-    ) -> [(Result<(), String>, Vec<u32>); 2] {
-        let stride = hb + pad;
-        let (qs, dots, scales) = case(hb, n, stride, wide, seed);
-        match hb {
-            1 => against_scalar::<1>(forms[0], &qs, &dots, &scales, stride),
-            2 => against_scalar::<2>(forms[1], &qs, &dots, &scales, stride),
-            3 => against_scalar::<3>(forms[2], &qs, &dots, &scales, stride),
-            _ => against_scalar::<4>(forms[3], &qs, &dots, &scales, stride),
-        }
-    }
-
-    /// `keys` keys whose second block term is 60 binary places below the first: the f64 sum
-    /// is the first term alone, an f32 tie that rounds down to even, while the exact sum is
-    /// just above the tie and rounds up. `form` (for two blocks) must give the exact sum's
-    /// bits for every key, as the scalar loop does.
-    pub(super) fn far_apart_terms(form: Form, keys: usize) {
-        let qs = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
-        // 1009 · 129 · 129 = 16 790 769: 25 significant bits, odd.
-        let key = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
-        let scales: Vec<BlockScale> = (0..keys).flat_map(|_| key).collect();
-        let dots: Vec<i32> = (0..keys).flat_map(|_| [1009, 1]).collect();
-        let [fast, slow] = against_scalar::<2>(form, &qs, &dots, &scales, 2);
-        assert_eq!(fast, slow);
-        let exact = 16_790_770.0f32 * 0.125;
-        let f64_sum = (16_790_769.0f64 + super::pow2(-46)) as f32 * 0.125;
-        assert_ne!(exact, f64_sum, "the f64 sum would round the other way");
-        assert!(fast.1.iter().all(|&b| b == exact.to_bits()));
-        assert_eq!(fast.1.len(), keys);
-    }
-
-    /// A random case: `hb` query block scales, `n` keys of `stride` scales, their dots.
-    pub(super) fn case(
-        hb: usize,
-        n: usize,
-        stride: usize,
-        wide: bool,
-        seed: u64,
-    ) -> (Vec<BlockScale>, Vec<i32>, Vec<BlockScale>) {
-        let mut next = xorshift(seed);
-        let qs = (0..hb).map(|_| scale(next(), wide)).collect();
-        let scales = (0..n * stride).map(|_| scale(next(), wide)).collect();
-        let top = 32 * 128 * 128;
-        let dots = (0..n * hb)
-            .map(|_| (next() % (2 * top as u64 + 1)) as i32 - top)
-            .collect();
-        (qs, dots, scales)
-    }
-
-    fn bits(r: Result<(), String>, v: &[f32]) -> (Result<(), String>, Vec<u32>) {
-        (r, v.iter().map(|x| x.to_bits()).collect())
-    }
-
-    /// `form` and the scalar loop for `HB` blocks, as (result, bits); the caller checked that
-    /// the CPU runs `form`.
-    pub(super) fn against_scalar<const HB: usize>(
-        form: Form,
-        qs: &[BlockScale],
-        dots: &[i32],
-        scales: &[BlockScale],
-        stride: usize,
-    ) -> [(Result<(), String>, Vec<u32>); 2] {
-        // The packed columns, key `i`'s block `b` at `[b][first + i]`.
-        let first = 5;
-        let packed: Vec<Vec<i32>> = (0..HB)
-            .map(|b| {
-                let keys = scales.chunks(stride).map(|key| pack_scale(key[b]));
-                std::iter::repeat_n(0, first).chain(keys).collect()
-            })
-            .collect();
-        let keys = KeyScales {
-            scales,
-            packed: &packed,
-            stride,
-            first,
-        };
-        let (mut fast, mut slow) = (Vec::new(), Vec::new());
-        // SAFETY: the caller checked the CPU; `packed` mirrors `scales`.
-        let f = unsafe { form(qs, dots, keys, 0.125, 9, &mut fast) };
-        let s = scores_of::<HB>(qs, dots, keys, 0.125, 9, &mut slow);
-        // An error leaves the scores unspecified: compare them only when both succeed.
-        match (&f, &s) {
-            (Ok(()), Ok(())) => [bits(f, &fast), bits(s, &slow)],
-            _ => [bits(f, &[]), bits(s, &[])],
-        }
-    }
 }
 
 /// V's exponent for a head vector with largest magnitude `amax`: `floor(log2 amax) − 6`, so
@@ -1297,5 +1161,141 @@ mod tests {
         let a = 1e-300f64;
         let s = scale_for_amax_f64(a);
         assert!(a / (s.m as f64 * pow2(s.e as i32)) <= 127.0);
+    }
+}
+
+/// What the tests of the vector forms of the scores loop share: random scales, a random
+/// case, and a form's result beside the scalar loop's.
+#[cfg(all(test, target_arch = "x86_64"))]
+mod scores_forms {
+    use super::{pack_scale, scores_of, BlockScale, KeyScales};
+
+    /// A vector form of [`scores_of`].
+    pub(super) type Form = unsafe fn(
+        &[BlockScale],
+        &[i32],
+        KeyScales,
+        f32,
+        usize,
+        &mut Vec<f32>,
+    ) -> Result<(), String>;
+
+    /// A deterministic stream of random words from `seed`.
+    pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed | 1;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    /// Random block scales: exponents near zero (`wide`: anywhere from −40 to 100, so block
+    /// terms far apart and scores past the f32 range), mantissas in [128, 255].
+    pub(super) fn scale(r: u64, wide: bool) -> BlockScale {
+        let e = match wide {
+            true => (r % 141) as i16 - 40,
+            false => (r % 9) as i16 - 4,
+        };
+        BlockScale {
+            m: 128 + (r >> 16) as u8 % 128,
+            e,
+        }
+    }
+
+    /// `forms[hb − 1]` (the form for `hb` blocks) against the scalar loop on a random case of
+    /// `n` keys, as (result, bits) each.
+    pub(super) fn random_case(
+        forms: [Form; 4],
+        hb: usize,
+        n: usize,
+        pad: usize,
+        wide: bool,
+        seed: u64,
+    ) -> [(Result<(), String>, Vec<u32>); 2] {
+        let stride = hb + pad;
+        let (qs, dots, scales) = case(hb, n, stride, wide, seed);
+        match hb {
+            1 => against_scalar::<1>(forms[0], &qs, &dots, &scales, stride),
+            2 => against_scalar::<2>(forms[1], &qs, &dots, &scales, stride),
+            3 => against_scalar::<3>(forms[2], &qs, &dots, &scales, stride),
+            _ => against_scalar::<4>(forms[3], &qs, &dots, &scales, stride),
+        }
+    }
+
+    /// `keys` keys whose second block term is 60 binary places below the first: the f64 sum
+    /// is the first term alone, an f32 tie that rounds down to even, while the exact sum is
+    /// just above the tie and rounds up. `form` (for two blocks) must give the exact sum's
+    /// bits for every key, as the scalar loop does.
+    pub(super) fn far_apart_terms(form: Form, keys: usize) {
+        let qs = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
+        // 1009 · 129 · 129 = 16 790 769: 25 significant bits, odd.
+        let key = [BlockScale { m: 129, e: 0 }, BlockScale { m: 128, e: -30 }];
+        let scales: Vec<BlockScale> = (0..keys).flat_map(|_| key).collect();
+        let dots: Vec<i32> = (0..keys).flat_map(|_| [1009, 1]).collect();
+        let [fast, slow] = against_scalar::<2>(form, &qs, &dots, &scales, 2);
+        assert_eq!(fast, slow);
+        let exact = 16_790_770.0f32 * 0.125;
+        let f64_sum = (16_790_769.0f64 + super::pow2(-46)) as f32 * 0.125;
+        assert_ne!(exact, f64_sum, "the f64 sum would round the other way");
+        assert!(fast.1.iter().all(|&b| b == exact.to_bits()));
+        assert_eq!(fast.1.len(), keys);
+    }
+
+    /// A random case: `hb` query block scales, `n` keys of `stride` scales, their dots.
+    pub(super) fn case(
+        hb: usize,
+        n: usize,
+        stride: usize,
+        wide: bool,
+        seed: u64,
+    ) -> (Vec<BlockScale>, Vec<i32>, Vec<BlockScale>) {
+        let mut next = xorshift(seed);
+        let qs = (0..hb).map(|_| scale(next(), wide)).collect();
+        let scales = (0..n * stride).map(|_| scale(next(), wide)).collect();
+        let top = 32 * 128 * 128;
+        let dots = (0..n * hb)
+            .map(|_| (next() % (2 * top as u64 + 1)) as i32 - top)
+            .collect();
+        (qs, dots, scales)
+    }
+
+    fn bits(r: Result<(), String>, v: &[f32]) -> (Result<(), String>, Vec<u32>) {
+        (r, v.iter().map(|x| x.to_bits()).collect())
+    }
+
+    /// `form` and the scalar loop for `HB` blocks, as (result, bits); the caller checked that
+    /// the CPU runs `form`.
+    pub(super) fn against_scalar<const HB: usize>(
+        form: Form,
+        qs: &[BlockScale],
+        dots: &[i32],
+        scales: &[BlockScale],
+        stride: usize,
+    ) -> [(Result<(), String>, Vec<u32>); 2] {
+        // The packed columns, key `i`'s block `b` at `[b][first + i]`.
+        let first = 5;
+        let packed: Vec<Vec<i32>> = (0..HB)
+            .map(|b| {
+                let keys = scales.chunks(stride).map(|key| pack_scale(key[b]));
+                std::iter::repeat_n(0, first).chain(keys).collect()
+            })
+            .collect();
+        let keys = KeyScales {
+            scales,
+            packed: &packed,
+            stride,
+            first,
+        };
+        let (mut fast, mut slow) = (Vec::new(), Vec::new());
+        // SAFETY: the caller checked the CPU; `packed` mirrors `scales`.
+        let f = unsafe { form(qs, dots, keys, 0.125, 9, &mut fast) };
+        let s = scores_of::<HB>(qs, dots, keys, 0.125, 9, &mut slow);
+        // An error leaves the scores unspecified: compare them only when both succeed.
+        match (&f, &s) {
+            (Ok(()), Ok(())) => [bits(f, &fast), bits(s, &slow)],
+            _ => [bits(f, &[]), bits(s, &[])],
+        }
     }
 }
