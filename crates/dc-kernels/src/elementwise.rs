@@ -97,9 +97,44 @@ fn softmax_finish(x: &mut [f32], exps: &[f64]) {
         .zip(x.iter())
         .all(|(&e, &v)| v != f32::NEG_INFINITY || e == 0.0));
     let sum = exps.iter().fold(0f64, |sum, &e| sum + e);
+    divide_by(x, exps, sum);
+}
+
+/// `x_i = f32(e_i / sum)`: IEEE divisions and roundings, the same in any lanes, compiled for
+/// AVX-512 and AVX2 too where the CPU has them (the baseline's vectors hold two f64s).
+fn divide_by(x: &mut [f32], exps: &[f64], sum: f64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was detected.
+            return unsafe { divide_by_avx512(x, exps, sum) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected.
+            return unsafe { divide_by_avx2(x, exps, sum) };
+        }
+    }
+    divide_by_each(x, exps, sum)
+}
+
+/// [`divide_by`]'s loop, as the baseline compiles it (and inlined into the other forms).
+#[inline(always)]
+fn divide_by_each(x: &mut [f32], exps: &[f64], sum: f64) {
     for (v, &e) in x.iter_mut().zip(exps) {
         *v = (e / sum) as f32;
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn divide_by_avx512(x: &mut [f32], exps: &[f64], sum: f64) {
+    divide_by_each(x, exps, sum)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn divide_by_avx2(x: &mut [f32], exps: &[f64], sum: f64) {
+    divide_by_each(x, exps, sum)
 }
 
 /// [`softmax`] with a caller's scratch buffer and the exps four at a time
@@ -271,6 +306,38 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(bits(&kept), bits(&slow));
             proptest::prop_assert_eq!(bits(&vector), bits(&slow));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_form_of_divide_by_is_the_loop(
+            exps in proptest::collection::vec(
+                proptest::prop_oneof![0f64..1.0, proptest::strategy::Just(0.0), 1e-320f64..1e-300],
+                0..70,
+            ),
+            sum in proptest::prop_oneof![1f64..1e4, proptest::strategy::Just(1.0)],
+        ) {
+            let want: Vec<u32> = exps.iter().map(|&e| ((e / sum) as f32).to_bits()).collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let mut x = vec![f32::NAN; exps.len()];
+            divide_by_each(&mut x, &exps, sum);
+            proptest::prop_assert_eq!(bits(&x), want.clone());
+            #[cfg(target_arch = "x86_64")]
+            {
+                if is_x86_feature_detected!("avx512f") {
+                    x.fill(f32::NAN);
+                    // SAFETY: AVX-512F was detected.
+                    unsafe { divide_by_avx512(&mut x, &exps, sum) };
+                    proptest::prop_assert_eq!(bits(&x), want.clone());
+                }
+                if is_x86_feature_detected!("avx2") {
+                    x.fill(f32::NAN);
+                    // SAFETY: AVX2 was detected.
+                    unsafe { divide_by_avx2(&mut x, &exps, sum) };
+                    proptest::prop_assert_eq!(bits(&x), want);
+                }
+            }
         }
     }
 
