@@ -658,8 +658,9 @@ fn head_attention(
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
 }
 
-/// [`scaled_probabilities`] and [`quantized_probabilities`]: their AVX2 forms where `simd` is
-/// asked for and the CPU has AVX2, the scalar loops otherwise.
+/// [`scaled_probabilities`] and [`quantized_probabilities`]: their AVX2 forms (the second in
+/// AVX-512 where the CPU has that too) where `simd` is asked for and the CPU has AVX2, the
+/// scalar loops otherwise.
 #[allow(clippy::type_complexity)]
 fn probabilities_loops(
     simd: bool,
@@ -667,6 +668,14 @@ fn probabilities_loops(
     fn(&[f32], &[i16], usize, &mut [f64]) -> f64,
     fn(&[f64], f64, f64, &mut [i32]),
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if simd && avx512::available() && avx2::available() {
+        // SAFETY: AVX-512F and AVX2 were detected, which is all these forms need.
+        return (
+            |p, e, s, o| unsafe { avx2::scaled_probabilities(p, e, s, o) },
+            |p, i, m, o| unsafe { avx512::quantized_probabilities(p, i, m, o) },
+        );
+    }
     #[cfg(target_arch = "x86_64")]
     if simd && avx2::available() {
         // SAFETY: AVX2 was detected, which is all these forms need.

@@ -1,12 +1,13 @@
-//! The AVX-512 form of the scores loop, sixteen keys at a time: their block scales loaded
-//! from the cache's packed columns (`m | e << 16`, one per block) and their block dot
-//! products from the dots, then the AVX2 form's f64 operations on the same operands in the same order, in two
-//! halves of eight. Every lane gives the scalar loop's bits; a key the f64 path cannot take
-//! (block exponents too far apart, a score out of the f32 range) is redone by the scalar code.
+//! The AVX-512 forms of the per-key f64 loops. Scores, sixteen keys at a time: their block
+//! scales loaded from the cache's packed columns (`m | e << 16`, one per block) and their
+//! block dot products from the dots, then the AVX2 form's f64 operations on the same operands
+//! in the same order, in two halves of eight. Quantised probabilities, eight keys at a time.
+//! Every lane gives the scalar loop's bits; a key the scores' f64 path cannot take (block
+//! exponents too far apart, a score out of the f32 range) is redone by the scalar code.
 
 use std::arch::x86_64::*;
 
-use dc_kernels::quant::BlockScale;
+use dc_kernels::quant::{BlockScale, QMAX};
 
 use super::{key_score, score_overflow, KeyScales, SCORE_F64_SPAN};
 
@@ -145,6 +146,36 @@ pub(super) unsafe fn scores<const HB: usize>(
     Ok(())
 }
 
+/// [`super::quantized_probabilities`], eight keys at a time: the AVX2 form's operations (an
+/// exact scaling, one correctly rounded division, rounding half to even, at most `QMAX`).
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn quantized_probabilities(pv: &[f64], inv: f64, m: f64, out: &mut [i32]) {
+    let n = out.len().min(pv.len());
+    let whole = n / 8 * 8;
+    let (inv8, m8, most) = (
+        _mm512_set1_pd(inv),
+        _mm512_set1_pd(m),
+        _mm512_set1_pd(QMAX as f64),
+    );
+    for j in (0..whole).step_by(8) {
+        let src: &[f64; 8] = pv[j..j + 8].try_into().expect("8 lanes");
+        // SAFETY: `src` is 8 readable f64s; the load is unaligned.
+        let p = unsafe { _mm512_loadu_pd(src.as_ptr()) };
+        let x = _mm512_div_pd(_mm512_mul_pd(p, inv8), m8);
+        // Round half to even (scale 0, nearest, no exceptions) for these non-negative values
+        // below 2^52; then at most QMAX, a whole number the truncating conversion keeps.
+        let r = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let q = _mm512_cvttpd_epi32(_mm512_min_pd(r, most));
+        let dst: &mut [i32; 8] = (&mut out[j..j + 8]).try_into().expect("8 lanes");
+        // SAFETY: `dst` is 8 writable i32s; the store is unaligned.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), q) };
+    }
+    super::quantized_probabilities(&pv[whole..n], inv, m, &mut out[whole..n]);
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::scores_forms::{far_apart_terms, random_case};
@@ -160,6 +191,21 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn quantised_probabilities_are_the_scalar_loop_bit_for_bit(
+            pv in prop::collection::vec(prop_oneof![0f64..1.0, Just(0.0), Just(1.0), 0f64..1e-30], 0..40),
+            e in -40i32..40,
+            m in 128u8..=255,
+        ) {
+            prop_assume!(available());
+            let inv = super::super::pow2(-e);
+            let (mut fast, mut slow) = (vec![-1i32; pv.len()], vec![-1i32; pv.len()]);
+            // SAFETY: AVX-512F was detected.
+            unsafe { quantized_probabilities(&pv, inv, m as f64, &mut fast) };
+            super::super::quantized_probabilities(&pv, inv, m as f64, &mut slow);
+            prop_assert_eq!(fast, slow);
+        }
+
         #[test]
         fn scores_are_the_scalar_loop_bit_for_bit(hb in 1usize..5, n in 0usize..70,
                                                   pad in 0usize..3, wide: bool, seed: u64) {
