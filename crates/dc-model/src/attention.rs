@@ -754,6 +754,26 @@ fn key_score<const HB: usize>(qs: &[BlockScale; HB], ks: &[BlockScale], d: &[i32
     dot.is_finite().then_some(dot)
 }
 
+/// Key `i`'s scaled score into `scores[i]` by the scalar path (see [`key_score`]): what the
+/// vector forms redo for a key their f64 sum cannot take, or whose score leaves the f32 range
+/// (then the error naming it).
+#[allow(clippy::too_many_arguments)]
+fn redo_key<const HB: usize>(
+    qs: &[BlockScale; HB],
+    dots: &[i32],
+    keys: KeyScales,
+    scale: f32,
+    pos: usize,
+    i: usize,
+    scores: &mut [f32],
+) -> Result<(), String> {
+    let ks = &keys.scales[i * keys.stride..i * keys.stride + HB];
+    let dot = key_score(qs, ks, &dots[i * HB..(i + 1) * HB])
+        .ok_or_else(|| score_overflow(keys.first + i, pos))?;
+    scores[i] = dot * scale;
+    Ok(())
+}
+
 /// Every key's scaled score into `scores` (see [`key_score`]) for `HB` blocks per head.
 fn scores_of<const HB: usize>(
     qs: &[BlockScale],

@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 use dc_kernels::quant::{BlockScale, QMAX};
 
-use super::{key_score, score_overflow, KeyScales, SCORE_F64_SPAN};
+use super::{redo_key, KeyScales, SCORE_F64_SPAN};
 
 /// Whether this CPU runs these loops (detected once by the standard library).
 pub(super) fn available() -> bool {
@@ -42,13 +42,7 @@ pub(super) unsafe fn scores<const HB: usize>(
     let n = dots.len() / HB;
     scores.clear();
     scores.resize(n, 0.0);
-    let scalar = |i: usize, scores: &mut [f32]| {
-        let ks = &keys.scales[i * keys.stride..i * keys.stride + HB];
-        let dot = key_score(qs, ks, &dots[i * HB..(i + 1) * HB])
-            .ok_or_else(|| score_overflow(keys.first + i, pos))?;
-        scores[i] = dot * scale;
-        Ok::<(), String>(())
-    };
+    let scalar = |i: usize, scores: &mut [f32]| redo_key(qs, dots, keys, scale, pos, i, scores);
     let (scale4, span) = (_mm_set1_ps(scale), _mm_set1_epi32(SCORE_F64_SPAN));
     let (magnitude, infinity) = (_mm_set1_epi32(0x7fff_ffff), _mm_set1_epi32(0x7f80_0000));
     let whole = n / 4 * 4;

@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 
 use dc_kernels::quant::{BlockScale, QMAX};
 
-use super::{key_score, score_overflow, KeyScales, SCORE_F64_SPAN};
+use super::{redo_key, KeyScales, SCORE_F64_SPAN};
 
 /// Whether this CPU runs the loop (detected once by the standard library).
 pub(super) fn available() -> bool {
@@ -50,13 +50,7 @@ pub(super) unsafe fn scores<const HB: usize>(
     let n = dots.len() / HB;
     scores.clear();
     scores.resize(n, 0.0);
-    let scalar = |i: usize, scores: &mut [f32]| {
-        let ks = &keys.scales[i * keys.stride..i * keys.stride + HB];
-        let dot = key_score(qs, ks, &dots[i * HB..(i + 1) * HB])
-            .ok_or_else(|| score_overflow(keys.first + i, pos))?;
-        scores[i] = dot * scale;
-        Ok::<(), String>(())
-    };
+    let scalar = |i: usize, scores: &mut [f32]| redo_key(qs, dots, keys, scale, pos, i, scores);
     let whole = n / 16 * 16;
     assert!(
         whole == 0 || keys.packed.iter().all(|c| c.len() >= keys.first + whole),
