@@ -2,7 +2,7 @@
 //! times quantised probabilities added to i32 accumulators (context). SSE2 on x86_64 (part of
 //! the baseline: no detection needed), AVX2 where the CPU has it, AVX-512 VNNI where it has
 //! that (the block dot products of heads of an even number of blocks, the value rows of heads
-//! of whole 64-byte chunks), the scalar definition elsewhere; every form is property-tested
+//! of whole groups of 16 values), the scalar definition elsewhere; every form is property-tested
 //! against the definition. Every product of two int8s fits an i16, and every sum here fits an
 //! i32, so the vector forms compute the same integers whatever order they add them in.
 
@@ -25,29 +25,6 @@ pub fn block_dot(a: &[i8; BLOCK], b: &[i8; BLOCK]) -> i32 {
 /// The definition of [`block_dot`].
 pub fn block_dot_scalar(a: &[i8; BLOCK], b: &[i8; BLOCK]) -> i32 {
     a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i32).sum()
-}
-
-/// `acc_i += q · v_i` for every `i` (`acc` and `v` the same length; no sum may overflow an
-/// i32, which holds for any 2^17 additions).
-#[inline]
-pub fn add_scaled(acc: &mut [i32], q: i8, v: &[i8]) {
-    debug_assert_eq!(acc.len(), v.len());
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: as in `block_dot`.
-    unsafe {
-        sse2::add_scaled(acc, q, v)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        add_scaled_scalar(acc, q, v)
-    }
-}
-
-/// The definition of [`add_scaled`].
-pub fn add_scaled_scalar(acc: &mut [i32], q: i8, v: &[i8]) {
-    for (a, &x) in acc.iter_mut().zip(v) {
-        *a += q as i32 * x as i32;
-    }
 }
 
 /// The block dot products of one query against `n` keys: key `i` is the `q.len()` int8s at
@@ -93,71 +70,60 @@ pub fn block_dots_scalar(q: &[i8], keys: &[i8], stride: usize, n: usize, out: &m
     }
 }
 
-/// `acc_d += Σ_j q_j · v[at_j + d]` for every `(q_j, at_j)` of `rows` and every `d <
-/// acc.len()` (no sum may overflow an i32, which holds for any 2^17 rows).
-pub fn add_scaled_rows(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
-    assert!(
-        rows.iter().all(|&(_, at)| at + acc.len() <= v.len()),
-        "every row is inside `v`"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 was detected; the bounds were checked above.
-        unsafe { avx2::add_scaled_rows(acc, v, rows) };
-        return;
-    }
-    add_scaled_rows_scalar(acc, v, rows);
-}
-
-/// Most rows [`add_block_rows`] takes at once: a block of keys.
+/// Rows of values a block holds: a block of keys.
 pub const BLOCK_ROWS: usize = BLOCK;
 
-/// `acc_d += Σ_j q_j · v[first + j · stride + d]` for the (at most [`BLOCK_ROWS`]) weights
-/// `q_j` in `[0, 127]` and every `d < acc.len()`: a block of keys' value rows times their
-/// quantised probabilities. Only the keys with a nonzero weight are added: in AVX-512 VNNI,
-/// four at a time, where the CPU has it and the rows are whole 64-byte chunks; otherwise by
-/// [`add_scaled_rows`].
-pub fn add_block_rows(acc: &mut [i32], v: &[i8], first: usize, stride: usize, q: &[i32]) {
-    assert!(q.len() <= BLOCK_ROWS, "at most a block of rows");
+/// Where row `j`'s value `d` sits in a block of [`BLOCK_ROWS`] rows of `width` values stored
+/// four rows interleaved: the rows in groups of four, each group as `width` runs of four bytes
+/// (value `d` of the group's four rows in turn). Four consecutive bytes are then the four
+/// values one output takes from four rows, which is what one `vpdpbusd` lane multiplies.
+#[inline]
+pub fn interleaved_at(j: usize, d: usize, width: usize) -> usize {
+    (j / 4) * 4 * width + 4 * d + j % 4
+}
+
+/// `acc_d += Σ_j w_j · block[interleaved_at(j, d, acc.len())]` for the [`BLOCK_ROWS`] weights
+/// `w_j` in `[0, 127]` and every `d < acc.len()`: a block of keys' value rows, stored four
+/// rows interleaved, times their quantised probabilities (a key outside the block's range
+/// weighs zero). Four rows per multiply in AVX-512 VNNI (outputs in whole groups of 16) or
+/// AVX2 (groups of 8) where the CPU has it, the definition otherwise.
+pub fn add_interleaved_rows(acc: &mut [i32], block: &[i8], w: &[u8; BLOCK_ROWS]) {
     assert!(
-        q.is_empty() || first + (q.len() - 1) * stride + acc.len() <= v.len(),
-        "every row is inside `v`"
+        block.len() >= BLOCK_ROWS * acc.len(),
+        "the block holds every row"
     );
-    debug_assert!(
-        q.iter().all(|&x| (0..=127).contains(&x)),
-        "weights in [0, 127]"
-    );
+    debug_assert!(w.iter().all(|&x| x <= 127), "weights in [0, 127]");
     #[cfg(target_arch = "x86_64")]
-    if avx512::takes_rows(acc.len()) {
+    if avx512::takes_interleaved(acc.len()) {
         // SAFETY: AVX-512 VNNI was detected; the bounds were checked above.
-        unsafe { avx512::add_block_rows(acc, v, first, stride, q) };
+        unsafe { avx512::add_interleaved_rows(acc, block, w) };
         return;
     }
-    // Every key is written and only a nonzero one kept (the count moves by the test): which
-    // weights are zero follows no pattern a branch predictor could learn.
-    let mut picks = [(0i8, 0usize); BLOCK_ROWS];
-    let mut kept = 0;
-    for (j, &w) in q.iter().enumerate() {
-        picks[kept] = (w as i8, first + j * stride);
-        kept += usize::from(w != 0);
+    #[cfg(target_arch = "x86_64")]
+    if acc.len().is_multiple_of(8) && has_avx2() {
+        // SAFETY: AVX2 was detected; the bounds were checked above.
+        unsafe { avx2::add_interleaved_rows(acc, block, w) };
+        return;
     }
-    add_scaled_rows(acc, v, &picks[..kept]);
+    add_interleaved_rows_scalar(acc, block, w);
 }
 
-/// The definition of [`add_block_rows`].
-pub fn add_block_rows_scalar(acc: &mut [i32], v: &[i8], first: usize, stride: usize, q: &[i32]) {
-    for (j, &w) in q.iter().enumerate() {
-        let at = first + j * stride;
-        add_scaled_scalar(acc, w as i8, &v[at..at + acc.len()]);
-    }
-}
-
-/// The definition of [`add_scaled_rows`].
-pub fn add_scaled_rows_scalar(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
+/// The definition of [`add_interleaved_rows`].
+pub fn add_interleaved_rows_scalar(acc: &mut [i32], block: &[i8], w: &[u8; BLOCK_ROWS]) {
     let n = acc.len();
-    for &(q, at) in rows {
-        add_scaled_scalar(acc, q, &v[at..at + n]);
+    for (j, &wj) in w.iter().enumerate() {
+        for (d, a) in acc.iter_mut().enumerate() {
+            *a += wj as i32 * block[interleaved_at(j, d, n)] as i32;
+        }
     }
+}
+
+/// The four weights of rows `4p..4p + 4` as one little-endian u32 (row `4p` in the low byte:
+/// the order of the interleaved bytes).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn weight_quad(w: &[u8; BLOCK_ROWS], p: usize) -> i32 {
+    i32::from_le_bytes([w[4 * p], w[4 * p + 1], w[4 * p + 2], w[4 * p + 3]])
 }
 
 /// Whether this CPU has AVX2 (detected once by the standard library, then a cached load).
@@ -258,85 +224,46 @@ mod avx2 {
         }
     }
 
-    /// Adds `q_a · v_a + q_b · v_b` for one group of 16 values at `va`, `vb` to the
-    /// accumulators of that group (`lo` holds values 0–3 and 8–11, `hi` 4–7 and 12–15: the
-    /// lane order of `vpunpck*wd`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn pair16(
-        lo: &mut __m256i,
-        hi: &mut __m256i,
-        va: *const i8,
-        vb: *const i8,
-        qq: __m256i,
-    ) {
-        // SAFETY: the caller guarantees 16 readable bytes at `va` and at `vb`.
-        let (a, b) = unsafe {
-            (
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(va.cast())),
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(vb.cast())),
-            )
-        };
-        *lo = _mm256_add_epi32(*lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), qq));
-        *hi = _mm256_add_epi32(*hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), qq));
-    }
-
-    /// Groups of 16 values taken per pass over the rows (eight accumulators in registers).
+    /// Output groups (eight values each) summed per pass over a block's rows.
     const GROUPS: usize = 4;
 
-    /// See [`super::add_scaled_rows`]; the caller checked the bounds.
+    /// See [`super::add_interleaved_rows`]; the caller checked the bounds and that
+    /// `acc.len()` is a multiple of 8. Per group of four rows and eight outputs: `vpmaddubsw`
+    /// multiplies the four weights (unsigned) by the 32 interleaved values (signed) and adds
+    /// adjacent pairs into i16s (at most `2 · 127 · 128`, so it never saturates), and
+    /// `vpmaddwd` by ones adds the two pairs of each output into its i32 lane.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn add_scaled_rows(acc: &mut [i32], v: &[i8], rows: &[(i8, usize)]) {
+    pub(super) unsafe fn add_interleaved_rows(
+        acc: &mut [i32],
+        block: &[i8],
+        w: &[u8; super::BLOCK_ROWS],
+    ) {
         let n = acc.len();
-        let whole = n / 16 * 16;
-        let base = v.as_ptr();
-        let mut d0 = 0;
-        while d0 < whole {
-            let groups = ((whole - d0) / 16).min(GROUPS);
-            let mut lo = [_mm256_setzero_si256(); GROUPS];
-            let mut hi = [_mm256_setzero_si256(); GROUPS];
-            for pair in rows.chunks(2) {
-                // An odd last row pairs with itself times zero.
-                let (a, b) = (pair[0], *pair.get(1).unwrap_or(&(0, pair[0].1)));
-                // Each 32-bit lane holds (q_a, q_b) as i16s, the order the interleave uses.
-                let qq = _mm256_set1_epi32((a.0 as i16 as u16 as i32) | ((b.0 as i32) << 16));
-                for g in 0..groups {
-                    let at = d0 + g * 16;
-                    // SAFETY: rows lie inside `v` for `n` values (checked by the caller), and
-                    // `at + 16 <= n`.
-                    unsafe {
-                        pair16(
-                            &mut lo[g],
-                            &mut hi[g],
-                            base.add(a.1 + at),
-                            base.add(b.1 + at),
-                            qq,
-                        )
-                    };
+        let quads: [__m256i; super::BLOCK_ROWS / 4] =
+            std::array::from_fn(|p| _mm256_set1_epi32(super::weight_quad(w, p)));
+        let ones = _mm256_set1_epi16(1);
+        let base = block.as_ptr();
+        for g0 in (0..n / 8).step_by(GROUPS) {
+            let groups = (n / 8 - g0).min(GROUPS);
+            let mut sums = [_mm256_setzero_si256(); GROUPS];
+            for (p, &quad) in quads.iter().enumerate() {
+                for (g, sum) in sums[..groups].iter_mut().enumerate() {
+                    // SAFETY: rows `4p..4p + 4` hold `n` runs of four bytes inside `block`
+                    // (checked by the caller), and group `g0 + g` is 32 of them.
+                    let v =
+                        unsafe { _mm256_loadu_si256(base.add(4 * (p * n + 8 * (g0 + g))).cast()) };
+                    let pairs = _mm256_maddubs_epi16(quad, v);
+                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
                 }
             }
-            for g in 0..groups {
-                let at = d0 + g * 16;
-                let ordered = [
-                    _mm256_permute2x128_si256(lo[g], hi[g], 0x20),
-                    _mm256_permute2x128_si256(lo[g], hi[g], 0x31),
-                ];
-                for (h, sums) in ordered.into_iter().enumerate() {
-                    let slot: &mut [i32; 8] = (&mut acc[at + h * 8..at + h * 8 + 8])
-                        .try_into()
-                        .expect("8 lanes");
-                    // SAFETY: `slot` is 8 readable and writable i32s; both accesses unaligned.
-                    unsafe {
-                        let old = _mm256_loadu_si256(slot.as_ptr().cast());
-                        _mm256_storeu_si256(slot.as_mut_ptr().cast(), _mm256_add_epi32(old, sums));
-                    }
+            for (g, &sum) in sums[..groups].iter().enumerate() {
+                let at = 8 * (g0 + g);
+                let slot: &mut [i32; 8] = (&mut acc[at..at + 8]).try_into().expect("8 lanes");
+                // SAFETY: `slot` is 8 readable and writable i32s; both accesses unaligned.
+                unsafe {
+                    let old = _mm256_loadu_si256(slot.as_ptr().cast());
+                    _mm256_storeu_si256(slot.as_mut_ptr().cast(), _mm256_add_epi32(old, sum));
                 }
-            }
-            d0 += groups * 16;
-        }
-        if whole < n {
-            for &(q, at) in rows {
-                super::add_scaled_scalar(&mut acc[whole..], q, &v[at + whole..at + n]);
             }
         }
     }
@@ -383,39 +310,6 @@ mod sse2 {
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
         _mm_cvtsi128_si32(s)
     }
-
-    #[inline]
-    #[target_feature(enable = "sse2")]
-    pub(super) fn add_scaled(acc: &mut [i32], q: i8, v: &[i8]) {
-        let n = acc.len().min(v.len());
-        let qv = _mm_set1_epi16(q as i16);
-        let whole = n / 16 * 16;
-        for at in (0..whole).step_by(16) {
-            let (lo, hi) = widen(load16(v, at));
-            // Exact: |q · v| <= 2^14 fits an i16.
-            for (k, p) in [_mm_mullo_epi16(lo, qv), _mm_mullo_epi16(hi, qv)]
-                .into_iter()
-                .enumerate()
-            {
-                let words = [
-                    _mm_srai_epi32(_mm_unpacklo_epi16(p, p), 16),
-                    _mm_srai_epi32(_mm_unpackhi_epi16(p, p), 16),
-                ];
-                for (w, word) in words.into_iter().enumerate() {
-                    let slot: &mut [i32; 4] = (&mut acc
-                        [at + k * 8 + w * 4..at + k * 8 + w * 4 + 4])
-                        .try_into()
-                        .expect("4 lanes");
-                    // SAFETY: `slot` is 4 readable and writable i32s; both accesses unaligned.
-                    unsafe {
-                        let sum = _mm_add_epi32(_mm_loadu_si128(slot.as_ptr().cast()), word);
-                        _mm_storeu_si128(slot.as_mut_ptr().cast(), sum);
-                    }
-                }
-            }
-        }
-        super::add_scaled_scalar(&mut acc[whole..n], q, &v[whole..n]);
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -430,8 +324,8 @@ mod avx512 {
     //! 4 · 255 · 128 + 128 · 32 · 128`), so the sums are the definition's integers. Sixteen
     //! (key, block) sums are reduced at once.
     //!
-    //! Value rows: the weights (probabilities, at most 127) are the unsigned bytes, four rows'
-    //! values interleaved the signed ones (see [`add_block_rows`]).
+    //! Value rows: the weights (probabilities, at most 127) are the unsigned bytes, the four
+    //! interleaved rows' values the signed ones (see [`super::add_interleaved_rows`]).
     use std::arch::x86_64::*;
 
     use crate::quant::BLOCK;
@@ -485,110 +379,51 @@ mod avx512 {
         _mm512_permutexvar_epi32(order, r)
     }
 
-    /// Whether this CPU runs the VNNI form of [`super::add_block_rows`] and rows of `width`
-    /// values suit it (whole 64-byte chunks, at most four).
-    pub(super) fn takes_rows(width: usize) -> bool {
-        width > 0
-            && width.is_multiple_of(64)
-            && width <= 256
+    /// Whether this CPU runs the VNNI form of [`super::add_interleaved_rows`] and rows of
+    /// `width` values suit it (whole groups of 16).
+    pub(super) fn takes_interleaved(width: usize) -> bool {
+        width.is_multiple_of(16)
             && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni")
     }
 
-    /// See [`super::add_block_rows`]; the caller checked [`takes_rows`] and the bounds.
-    ///
-    /// Four rows at a time: their bytes interleaved so each i32 lane holds one value of each
-    /// row (`vpunpck*bw`, then `*wd`), and `vpdpbusd` multiplies the four weights (unsigned,
-    /// at most 127) by them and adds the four products into the lane. The interleave works
-    /// within 128-bit lanes, so accumulator `a` lane `k` of 128-bit lane `L` holds value
-    /// `16 L + 4 a + k`; a transpose of 128-bit lanes puts them in order at the end.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn add_block_rows(
+    /// Output groups (16 values each) summed per pass over a block's rows.
+    const GROUPS: usize = 8;
+
+    /// See [`super::add_interleaved_rows`]; the caller checked [`takes_interleaved`] and the
+    /// bounds. Per group of four rows and 16 outputs, one `vpdpbusd` of the four weights
+    /// (unsigned) by the 64 interleaved values (signed); the even and odd groups of rows sum
+    /// into separate registers, so two chains of additions run side by side.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(super) unsafe fn add_interleaved_rows(
         acc: &mut [i32],
-        v: &[i8],
-        first: usize,
-        stride: usize,
-        q: &[i32],
+        block: &[i8],
+        w: &[u8; super::BLOCK_ROWS],
     ) {
-        let chunks = acc.len() / 64;
-        // The keys with a nonzero weight, compressed to the front (`vpcompressd`): a zero
-        // weight adds nothing, and most of a block's keys round to zero when one dominates.
-        let (mut weights, mut rows) = ([0i32; super::BLOCK_ROWS], [0usize; super::BLOCK_ROWS]);
-        let mut kept = 0;
-        for (h, part) in q.chunks(16).enumerate() {
-            let lanes = ((1u32 << part.len()) - 1) as u16;
-            // SAFETY: `part` holds `part.len()` readable i32s, the lanes the mask loads.
-            let w = unsafe { _mm512_maskz_loadu_epi32(lanes, part.as_ptr()) };
-            let nonzero = _mm512_test_epi32_mask(w, w);
-            // SAFETY: `weights` has room for every lane after `kept` (at most 16 of them,
-            // `kept + part.len() <= BLOCK_ROWS`); the store writes only the picked lanes.
-            unsafe {
-                _mm512_mask_compressstoreu_epi32(weights.as_mut_ptr().add(kept).cast(), nonzero, w)
-            };
-            let mut bits = nonzero;
-            while bits != 0 {
-                let j = bits.trailing_zeros() as usize;
-                rows[kept] = first + (16 * h + j) * stride;
-                kept += 1;
-                bits &= bits - 1;
-            }
-        }
-        let mut sums = [[_mm512_setzero_si512(); 4]; 4];
-        let base = v.as_ptr();
-        for g in 0..kept.div_ceil(4) {
-            let mut packed = 0u32;
-            // A missing row (past the last kept key) repeats the group's first, times zero.
-            let mut at = [rows[4 * g]; 4];
-            for i in 0..4.min(kept - 4 * g) {
-                packed |= (weights[4 * g + i] as u32) << (8 * i);
-                at[i] = rows[4 * g + i];
-            }
-            let packed = _mm512_set1_epi32(packed as i32);
-            for (c, sum) in sums[..chunks].iter_mut().enumerate() {
-                // SAFETY: each row holds `acc.len()` values inside `v` (checked by the
-                // caller), so its chunk `c` is 64 readable bytes; the loads are unaligned.
-                let r = at.map(|at| unsafe { _mm512_loadu_si512(base.add(at + 64 * c).cast()) });
-                let (lo01, hi01) = (
-                    _mm512_unpacklo_epi8(r[0], r[1]),
-                    _mm512_unpackhi_epi8(r[0], r[1]),
-                );
-                let (lo23, hi23) = (
-                    _mm512_unpacklo_epi8(r[2], r[3]),
-                    _mm512_unpackhi_epi8(r[2], r[3]),
-                );
-                let quads = [
-                    _mm512_unpacklo_epi16(lo01, lo23),
-                    _mm512_unpackhi_epi16(lo01, lo23),
-                    _mm512_unpacklo_epi16(hi01, hi23),
-                    _mm512_unpackhi_epi16(hi01, hi23),
-                ];
-                for (s, quad) in sum.iter_mut().zip(quads) {
-                    *s = _mm512_dpbusd_epi32(*s, packed, quad);
+        let n = acc.len();
+        let quads: [__m512i; super::BLOCK_ROWS / 4] =
+            std::array::from_fn(|p| _mm512_set1_epi32(super::weight_quad(w, p)));
+        let base = block.as_ptr();
+        for g0 in (0..n / 16).step_by(GROUPS) {
+            let groups = (n / 16 - g0).min(GROUPS);
+            let mut sums = [[_mm512_setzero_si512(); GROUPS]; 2];
+            for (p, &quad) in quads.iter().enumerate() {
+                for g in 0..groups {
+                    // SAFETY: rows `4p..4p + 4` hold `n` runs of four bytes inside `block`
+                    // (checked by the caller), and group `g0 + g` is 64 of them.
+                    let v =
+                        unsafe { _mm512_loadu_si512(base.add(4 * (p * n + 16 * (g0 + g))).cast()) };
+                    sums[p % 2][g] = _mm512_dpbusd_epi32(sums[p % 2][g], quad, v);
                 }
             }
-        }
-        for (c, [a0, a1, a2, a3]) in sums[..chunks].iter().copied().enumerate() {
-            // 128-bit lane L of the result `L` holds values 16 L.. in order: lanes L of
-            // a0, a1, a2, a3.
-            let u0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(a0, a1);
-            let u1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(a0, a1);
-            let u2 = _mm512_shuffle_i32x4::<0b01_00_01_00>(a2, a3);
-            let u3 = _mm512_shuffle_i32x4::<0b11_10_11_10>(a2, a3);
-            let ordered = [
-                _mm512_shuffle_i32x4::<0b10_00_10_00>(u0, u2),
-                _mm512_shuffle_i32x4::<0b11_01_11_01>(u0, u2),
-                _mm512_shuffle_i32x4::<0b10_00_10_00>(u1, u3),
-                _mm512_shuffle_i32x4::<0b11_01_11_01>(u1, u3),
-            ];
-            for (l, o) in ordered.into_iter().enumerate() {
-                let dst: &mut [i32; 16] = (&mut acc[64 * c + 16 * l..64 * c + 16 * l + 16])
-                    .try_into()
-                    .expect("16 lanes");
+            for g in 0..groups {
+                let at = 16 * (g0 + g);
+                let dst: &mut [i32; 16] = (&mut acc[at..at + 16]).try_into().expect("16 lanes");
                 // SAFETY: `dst` is 16 readable and writable i32s; both accesses unaligned.
                 unsafe {
-                    let sum = _mm512_add_epi32(_mm512_loadu_si512(dst.as_ptr().cast()), o);
-                    _mm512_storeu_si512(dst.as_mut_ptr().cast(), sum);
+                    let sum = _mm512_add_epi32(sums[0][g], sums[1][g]);
+                    let old = _mm512_loadu_si512(dst.as_ptr().cast());
+                    _mm512_storeu_si512(dst.as_mut_ptr().cast(), _mm512_add_epi32(old, sum));
                 }
             }
         }
@@ -658,17 +493,6 @@ mod tests {
                                        b in prop::array::uniform32(any::<i8>())) {
             prop_assert_eq!(block_dot(&a, &b), block_dot_scalar(&a, &b));
         }
-
-        #[test]
-        fn add_scaled_is_its_definition(q in any::<i8>(),
-                                        v in prop::collection::vec(any::<i8>(), 0..100),
-                                        start in prop::collection::vec(-(1i32 << 24)..(1 << 24), 100)) {
-            let mut fast = start[..v.len()].to_vec();
-            let mut slow = fast.clone();
-            add_scaled(&mut fast, q, &v);
-            add_scaled_scalar(&mut slow, q, &v);
-            prop_assert_eq!(fast, slow);
-        }
     }
 
     proptest! {
@@ -702,37 +526,33 @@ mod tests {
         }
 
         #[test]
-        fn add_block_rows_are_their_definition(width in prop::sample::select(vec![0usize, 8, 40, 64, 128, 192, 256, 320]),
-                                               n in 0usize..=BLOCK_ROWS, pad in 0usize..70, first in 0usize..9,
-                                               weights in prop::collection::vec(prop_oneof![Just(0i32), 0i32..=127, Just(127)], BLOCK_ROWS),
-                                               seed in any::<u64>(), extreme in any::<bool>()) {
-            let stride = width + pad;
-            let v = bytes(first + n * stride + 5, seed, extreme);
-            let q = &weights[..n];
+        fn add_interleaved_rows_are_their_definition(width in prop::sample::select(vec![0usize, 8, 16, 24, 40, 64, 128, 136, 192, 256, 320]),
+                                                     pad in 0usize..70,
+                                                     weights in prop::array::uniform32(prop_oneof![Just(0u8), 0u8..=127, Just(127)]),
+                                                     seed in any::<u64>(), extreme in any::<bool>()) {
+            let block = bytes(BLOCK_ROWS * width + pad, seed, extreme);
             let start: Vec<i32> = (0..width as i32).map(|i| i * 977 - 40_000).collect();
             let mut fast = start.clone();
-            add_block_rows(&mut fast, &v, first, stride, q);
+            add_interleaved_rows(&mut fast, &block, &weights);
             let mut slow = start.clone();
-            add_block_rows_scalar(&mut slow, &v, first, stride, q);
+            add_interleaved_rows_scalar(&mut slow, &block, &weights);
             prop_assert_eq!(&fast, &slow);
+            // Each vector form on its own, whichever the dispatch picks on this CPU.
             #[cfg(target_arch = "x86_64")]
-            if avx512::takes_rows(width) {
-                let mut each = start.clone();
-                // SAFETY: AVX-512 VNNI was detected; the bounds hold by construction.
-                unsafe { avx512::add_block_rows(&mut each, &v, first, stride, q) };
-                prop_assert_eq!(&each, &slow);
+            {
+                if width % 8 == 0 && has_avx2() {
+                    let mut each = start.clone();
+                    // SAFETY: AVX2 was detected; the bounds hold by construction.
+                    unsafe { avx2::add_interleaved_rows(&mut each, &block, &weights) };
+                    prop_assert_eq!(&each, &slow);
+                }
+                if avx512::takes_interleaved(width) {
+                    let mut each = start.clone();
+                    // SAFETY: AVX-512 VNNI was detected; the bounds hold by construction.
+                    unsafe { avx512::add_interleaved_rows(&mut each, &block, &weights) };
+                    prop_assert_eq!(&each, &slow);
+                }
             }
-        }
-
-        #[test]
-        fn add_scaled_rows_are_their_definition(width in 0usize..150, picks in prop::collection::vec((any::<i8>(), 0usize..60), 0..40),
-                                                seed in any::<u64>(), extreme in any::<bool>()) {
-            let v = bytes(60 + width, seed, extreme);
-            let mut fast: Vec<i32> = (0..width as i32).map(|i| i * 977 - 40_000).collect();
-            let mut slow = fast.clone();
-            add_scaled_rows(&mut fast, &v, &picks);
-            add_scaled_rows_scalar(&mut slow, &v, &picks);
-            prop_assert_eq!(fast, slow);
         }
     }
 
@@ -756,8 +576,15 @@ mod tests {
     fn extremes_are_exact() {
         let (a, b) = ([-128i8; BLOCK], [-128i8; BLOCK]);
         assert_eq!(block_dot(&a, &b), 32 * 16384);
-        let mut acc = vec![i32::MAX - 16384; 33];
-        add_scaled(&mut acc, -128, &[-128; 33]);
-        assert!(acc.iter().all(|&x| x == i32::MAX));
+        // Every weight 127 times every value −128, for each form's width.
+        for width in [8, 24, 64] {
+            let mut acc = vec![i32::MIN + 32 * 127 * 128; width];
+            add_interleaved_rows(
+                &mut acc,
+                &vec![-128; BLOCK_ROWS * width],
+                &[127; BLOCK_ROWS],
+            );
+            assert!(acc.iter().all(|&x| x == i32::MIN), "width {width}");
+        }
     }
 }

@@ -45,8 +45,11 @@ pub struct LayerCache {
     /// and block (`[kv_head · hb + block][pos]`): the AVX-512 scores load sixteen keys'
     /// scales of a block at once.
     k_me: Vec<Vec<i32>>,
-    /// `[pos][kv_head][head_dim]`.
-    v_q: Vec<i8>,
+    /// The quantised values in blocks of [`BLOCK`] positions, per kv head four positions
+    /// interleaved (`[pos / 32][kv_head]`, then [`int8::interleaved_at`]): the context adds a
+    /// block's value rows four at a time ([`int8::add_interleaved_rows`]). Whole blocks are
+    /// held, the positions not yet held zero.
+    v_t: Vec<i8>,
     /// `[pos][kv_head]`: V's power-of-two exponent.
     v_e: Vec<i16>,
     len: usize,
@@ -128,7 +131,7 @@ impl LayerCache {
             k_q: Vec::new(),
             k_s: Vec::new(),
             k_me: vec![Vec::new(); kv_heads * head_dim.div_ceil(BLOCK)],
-            v_q: Vec::new(),
+            v_t: Vec::new(),
             v_e: Vec::new(),
             len: 0,
         }
@@ -156,7 +159,7 @@ impl LayerCache {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.k_q.len() + self.v_q.len() + (self.k_s.len() * 2) * 4 + self.v_e.len() * 2
+        self.k_q.len() + self.v_t.len() + (self.k_s.len() * 2) * 4 + self.v_e.len() * 2
     }
 
     /// Bytes of one position's canonical encoding: per kv head, the key's int8 blocks (padded
@@ -178,9 +181,7 @@ impl LayerCache {
                 out.push(s.m);
                 out.extend_from_slice(&s.e.to_le_bytes());
             }
-            for &q in &self.v_q[(pos * kvh + g) * hd..(pos * kvh + g + 1) * hd] {
-                out.push(q as u8);
-            }
+            out.extend((0..hd).map(|d| self.value(pos, g, d) as u8));
             out.extend_from_slice(&self.v_e[pos * kvh + g].to_le_bytes());
         }
     }
@@ -210,6 +211,42 @@ impl LayerCache {
         self.k_me[column].push(pack_scale(s));
     }
 
+    /// Bytes of one block of one kv head's values in `v_t`.
+    fn value_block_bytes(&self) -> usize {
+        BLOCK * self.head_dim
+    }
+
+    /// Where value `d` of position `pos`, kv head `g` sits in `v_t`.
+    fn value_at(&self, pos: usize, g: usize, d: usize) -> usize {
+        (pos / BLOCK * self.kv_heads + g) * self.value_block_bytes()
+            + int8::interleaved_at(pos % BLOCK, d, self.head_dim)
+    }
+
+    /// Value `d` of position `pos`, kv head `g`.
+    pub(crate) fn value(&self, pos: usize, g: usize, d: usize) -> i8 {
+        self.v_t[self.value_at(pos, g, d)]
+    }
+
+    /// Kv head `g`'s values of the block of positions `32 b..32 b + 32`, four interleaved.
+    fn value_block(&self, b: usize, g: usize) -> &[i8] {
+        let at = (b * self.kv_heads + g) * self.value_block_bytes();
+        &self.v_t[at..at + self.value_block_bytes()]
+    }
+
+    /// Writes kv head `g`'s quantised values at position `self.len` (making room for its block
+    /// when it is the block's first).
+    fn put_values(&mut self, g: usize, values: impl Iterator<Item = i8>) {
+        let pos = self.len;
+        let through = (pos / BLOCK + 1) * self.kv_heads * self.value_block_bytes();
+        if self.v_t.len() < through {
+            self.v_t.resize(through, 0);
+        }
+        for (d, v) in values.enumerate() {
+            let at = self.value_at(pos, g, d);
+            self.v_t[at] = v;
+        }
+    }
+
     /// Keeps only the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         // Also when `len` is the length held: a refused extension may have written part of a
@@ -221,7 +258,17 @@ impl LayerCache {
             for column in &mut self.k_me {
                 column.truncate(len);
             }
-            self.v_q.truncate(len * per * self.head_dim);
+            self.v_t
+                .truncate(len.div_ceil(BLOCK) * per * self.value_block_bytes());
+            // The positions past `len` in its last block back to zero, as a fresh block is.
+            for pos in len..len.div_ceil(BLOCK) * BLOCK {
+                for g in 0..per {
+                    for d in 0..self.head_dim {
+                        let at = self.value_at(pos, g, d);
+                        self.v_t[at] = 0;
+                    }
+                }
+            }
             self.v_e.truncate(len * per);
             self.len = len;
         }
@@ -257,7 +304,7 @@ impl LayerCache {
         for column in &mut c.k_me {
             column.reserve(n);
         }
-        c.v_q.reserve(n * kv_heads * head_dim);
+        c.v_t.reserve((n + BLOCK) * kv_heads * head_dim);
         c.v_e.reserve(n * kv_heads);
         let first = c.len;
         let bad = |what: &str, pos: usize| {
@@ -281,7 +328,7 @@ impl LayerCache {
                 }
             }
             let mut at = 0;
-            for _ in 0..kv_heads {
+            for g in 0..kv_heads {
                 let k = &row[at..at + hb * BLOCK];
                 c.k_q.extend(k.iter().map(|&b| b as i8));
                 at += hb * BLOCK;
@@ -293,8 +340,7 @@ impl LayerCache {
                     c.push_key_scale(BlockScale { m: s[0], e });
                 }
                 at += hb * 3;
-                c.v_q
-                    .extend(row[at..at + head_dim].iter().map(|&b| b as i8));
+                c.put_values(g, row[at..at + head_dim].iter().map(|&b| b as i8));
                 at += head_dim;
                 let e = i16::from_le_bytes([row[at], row[at + 1]]);
                 if !exponent_ok(e) {
@@ -327,11 +373,11 @@ impl LayerCache {
                 let amax = vh.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let e = v_exponent(amax);
                 let inv = pow2(-e);
-                for &x in vh {
-                    // x · 2^-e is exact in f64; one rounding, ties to even.
-                    let q = round_half_even(x as f64 * inv).clamp(-QMAX as f64, QMAX as f64);
-                    self.v_q.push(q as i8);
-                }
+                // x · 2^-e is exact in f64; one rounding, ties to even.
+                let quantized = vh.iter().map(|&x| {
+                    round_half_even(x as f64 * inv).clamp(-QMAX as f64, QMAX as f64) as i8
+                });
+                self.put_values(g, quantized);
                 self.v_e.push(e as i16);
             }
             self.len += 1;
@@ -532,7 +578,7 @@ const SCORE_F64_SPAN: i32 = 15;
 /// One query head at absolute position `pos`: the same values as
 /// [`reference::head_attention`] (property-tested bit for bit), without its per-head
 /// allocations, with each `exp` taken once, the block dot products and value rows in vector
-/// loops ([`int8::block_dots`], [`int8::add_block_rows`]), a key's score summed in f64 where
+/// loops ([`int8::block_dots`], [`int8::add_interleaved_rows`]), a key's score summed in f64 where
 /// that is exact, and each output's block terms summed once in an i64 where they fit. `simd`:
 /// the per-key f64 loops four keys at a time where the CPU has AVX2 (the same bits).
 #[allow(clippy::too_many_arguments)]
@@ -635,24 +681,19 @@ fn head_attention(
         let (probabilities, exponents) = (&scores[j0 - lo..=j1 - lo], &cache.v_e[j0 * kvh + g..]);
         let mut pv = [0f64; BLOCK];
         let pv = &mut pv[..keys];
-        let mut qp = [0i32; BLOCK];
-        let qp = &mut qp[..keys];
         let amax = probabilities_loops(simd).0(probabilities, exponents, kvh, pv);
         if amax == 0.0 {
             continue;
         }
         let s = scale_for_amax_f64(amax);
         let (inv, m) = (pow2(-(s.e as i32)), s.m as f64);
-        probabilities_loops(simd).1(pv, inv, m, qp);
+        // The block's weights in place by key (a key outside `j0..=j1` weighs zero).
+        let mut qp = [0i32; BLOCK];
+        probabilities_loops(simd).1(pv, inv, m, &mut qp[j0 % BLOCK..=j1 % BLOCK]);
+        let weights = qp.map(|w| w as u8);
         let at = ctx_acc.len();
         ctx_acc.resize(at + hd, 0);
-        int8::add_block_rows(
-            &mut ctx_acc[at..],
-            &cache.v_q,
-            (j0 * kvh + g) * hd,
-            kvh * hd,
-            qp,
-        );
+        int8::add_interleaved_rows(&mut ctx_acc[at..], cache.value_block(b, g), &weights);
         ctx_scales.push(s);
     }
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
@@ -1135,6 +1176,65 @@ mod tests {
         assert_eq!(done[1].1.len(), 2);
         assert_eq!(done[1].1[0], cache_row_leaf(3, &bytes[..cache.row_bytes()]));
         assert_eq!(done[1].1[1], cache_row_leaf(4, &bytes[cache.row_bytes()..]));
+    }
+
+    proptest::proptest! {
+        /// Each position's values are stored as quantised, whatever block and kv head they
+        /// fall in (read back through the canonical encoding against the quantisation done
+        /// here), and a cache cut back, or refused a row half written, holds what a cache of
+        /// only the rows before does, byte for byte.
+        #[test]
+        fn values_come_back_as_quantised_and_a_cut_leaves_no_trace(
+            kvh in 1usize..4,
+            hd in proptest::sample::select(vec![8usize, 40, 64]),
+            n in 1usize..80,
+            cut in 0usize..80,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let cut = cut % n;
+            let mut state = seed | 1;
+            let mut draw = |len: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|_| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                    })
+                    .collect()
+            };
+            let (k, v) = (draw(n * kvh * hd), draw(n * kvh * hd));
+            let mut whole = LayerCache::new(kvh, hd);
+            whole.append(&k, &v).unwrap();
+            let (rb, hb) = (whole.row_bytes(), hd.div_ceil(BLOCK));
+            let rows = whole.encode_rows(0..n);
+            for (pos, row) in rows.chunks_exact(rb).enumerate() {
+                for g in 0..kvh {
+                    let vh = &v[(pos * kvh + g) * hd..(pos * kvh + g + 1) * hd];
+                    let e = v_exponent(vh.iter().fold(0f32, |m, x| m.max(x.abs())));
+                    let expected: Vec<u8> = vh
+                        .iter()
+                        .map(|&x| round_half_even(x as f64 * pow2(-e)).clamp(-127.0, 127.0) as i8 as u8)
+                        .collect();
+                    let at = g * (hb * (BLOCK + 3) + hd + 2) + hb * (BLOCK + 3);
+                    proptest::prop_assert_eq!(&row[at..at + hd], &expected[..], "position {}, kv head {}", pos, g);
+                }
+            }
+            let before = LayerCache::from_encoded(kvh, hd, &rows[..cut * rb]).unwrap();
+            let mut cut_back = whole.clone();
+            cut_back.truncate(cut);
+            proptest::prop_assert_eq!(&cut_back.v_t, &before.v_t);
+            cut_back.append(&k[cut * kvh * hd..], &v[cut * kvh * hd..]).unwrap();
+            proptest::prop_assert_eq!(&cut_back.v_t, &whole.v_t);
+            // The row at `cut` refused at its last kv head's value exponent, after every kv
+            // head's values went in.
+            let mut bad = rows[cut * rb..(cut + 1) * rb].to_vec();
+            bad[rb - 2..].copy_from_slice(&i16::MAX.to_le_bytes());
+            let mut refused = before.clone();
+            proptest::prop_assert!(refused.extend_encoded(&bad).is_err());
+            proptest::prop_assert_eq!(&refused.v_t, &before.v_t);
+            proptest::prop_assert_eq!(refused.encode_rows(0..cut), &rows[..cut * rb]);
+        }
     }
 
     /// A refused row leaves nothing behind, even a row refused half way through (its key

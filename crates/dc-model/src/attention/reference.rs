@@ -88,9 +88,8 @@ pub(super) fn head_attention(
             if qp == 0 {
                 continue;
             }
-            let vrow = &cache.v_q[(j * kvh + g) * hd..(j * kvh + g + 1) * hd];
-            for (a, &v) in acc.iter_mut().zip(vrow) {
-                *a += qp * v as i32;
+            for (d, a) in acc.iter_mut().enumerate() {
+                *a += qp * cache.value(j, g, d) as i32;
             }
         }
         for (t, &a) in ctx_terms.chunks_exact_mut(blocks).zip(&acc) {
