@@ -1,74 +1,12 @@
-//! The exact int8 loops attention runs per key: block dot products (scores) and rows of values
-//! times quantised probabilities added to i32 accumulators (context). SSE2 on x86_64 (part of
-//! the baseline: no detection needed), AVX2 where the CPU has it, AVX-512 VNNI where it has
-//! that (the block dot products of heads of an even number of blocks, the value rows of heads
-//! of whole groups of 16 values), the scalar definition elsewhere; every form is property-tested
-//! against the definition. Every product of two int8s fits an i16, and every sum here fits an
-//! i32, so the vector forms compute the same integers whatever order they add them in.
+//! The exact int8 loops attention runs per block of 32 keys: block dot products (scores) and
+//! rows of values times quantised probabilities added to i32 accumulators (context), over
+//! keys and values stored four keys' bytes together (the layouts [`key_interleaved_at`] and
+//! [`interleaved_at`]), so one multiply-add instruction takes four keys. AVX-512 VNNI where the
+//! CPU has it, AVX2 where it has that, the scalar definition elsewhere; every form is
+//! property-tested against the definition. Every sum here fits an i32, so the vector forms
+//! compute the same integers whatever order they add them in.
 
 use crate::quant::BLOCK;
-
-/// `Σ a_i · b_i` over one block.
-#[inline]
-pub fn block_dot(a: &[i8; BLOCK], b: &[i8; BLOCK]) -> i32 {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE2 is part of the x86_64 baseline every build targets.
-    unsafe {
-        sse2::block_dot(a, b)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        block_dot_scalar(a, b)
-    }
-}
-
-/// The definition of [`block_dot`].
-pub fn block_dot_scalar(a: &[i8; BLOCK], b: &[i8; BLOCK]) -> i32 {
-    a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i32).sum()
-}
-
-/// The block dot products of one query against `n` keys: key `i` is the `q.len()` int8s at
-/// `keys[i · stride..]`, and `out[i · blocks + b]` receives block `b`'s dot product
-/// (`blocks = q.len() / BLOCK`). `out` is resized to `n · blocks`; every entry is written (so
-/// a reused buffer is not cleared first).
-pub fn block_dots(q: &[i8], keys: &[i8], stride: usize, n: usize, out: &mut Vec<i32>) {
-    let blocks = q.len() / BLOCK;
-    assert!(q.len() == blocks * BLOCK, "the query is whole blocks");
-    assert!(
-        n == 0 || (n - 1) * stride + q.len() <= keys.len(),
-        "every key is inside `keys`"
-    );
-    out.truncate(n * blocks);
-    out.resize(n * blocks, 0);
-    #[cfg(target_arch = "x86_64")]
-    if avx512::takes(blocks) {
-        // SAFETY: AVX-512 VNNI was detected; the bounds were checked above.
-        unsafe { avx512::block_dots(q, keys, stride, n, out) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 was detected; the bounds were checked above.
-        unsafe { avx2::block_dots(q, keys, stride, n, out) };
-        return;
-    }
-    block_dots_scalar(q, keys, stride, n, out);
-}
-
-/// The definition of [`block_dots`] (`out` already `n · blocks` long).
-pub fn block_dots_scalar(q: &[i8], keys: &[i8], stride: usize, n: usize, out: &mut [i32]) {
-    let blocks = q.len() / BLOCK;
-    for i in 0..n {
-        for b in 0..blocks {
-            let qb = q[b * BLOCK..(b + 1) * BLOCK]
-                .try_into()
-                .expect("BLOCK long");
-            let at = i * stride + b * BLOCK;
-            let kb = keys[at..at + BLOCK].try_into().expect("BLOCK long");
-            out[i * blocks + b] = block_dot(qb, kb);
-        }
-    }
-}
 
 /// Rows of values a block holds: a block of keys.
 pub const BLOCK_ROWS: usize = BLOCK;
@@ -118,6 +56,83 @@ pub fn add_interleaved_rows_scalar(acc: &mut [i32], block: &[i8], w: &[u8; BLOCK
     }
 }
 
+/// Where key `j`'s value `d` sits in a block of [`BLOCK_ROWS`] keys stored by quads of values:
+/// per quad (values `4i..4i + 4`), the block's keys in turn, four bytes each. Sixteen consecutive keys' bytes of one quad are then one 64-byte vector, which one
+/// `vpdpbusd` multiplies by the query's four values of that quad.
+#[inline]
+pub fn key_interleaved_at(j: usize, d: usize) -> usize {
+    (d / 4 * BLOCK_ROWS + j) * 4 + d % 4
+}
+
+/// The block dot products of one query (`q.len()` = `blocks · BLOCK`) against `n` blocks of
+/// [`BLOCK_ROWS`] keys, each stored by quads ([`key_interleaved_at`]), block `i` at
+/// `keys[i · stride..]`: `out[(i · BLOCK_ROWS + j) · blocks + b]` (`out` is `n · BLOCK_ROWS ·
+/// blocks` long) receives the dot product of block `i`'s key `j` with the query over block
+/// `b`. No key byte may be −128 (a cache never holds one: values are clamped to ±127). In
+/// AVX-512 VNNI or AVX2 where the CPU has it, the definition otherwise.
+pub fn interleaved_block_dots(q: &[i8], keys: &[i8], stride: usize, n: usize, out: &mut [i32]) {
+    let blocks = q.len() / BLOCK;
+    assert!(q.len() == blocks * BLOCK, "the query is whole blocks");
+    assert!(
+        n == 0 || (n - 1) * stride + BLOCK_ROWS * q.len() <= keys.len(),
+        "every block of keys is inside `keys`"
+    );
+    assert_eq!(
+        out.len(),
+        n * BLOCK_ROWS * blocks,
+        "one entry per key and block"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx512::takes_interleaved_dots(blocks) {
+        // SAFETY: AVX-512 VNNI was detected; the bounds were checked above.
+        unsafe { avx512::interleaved_block_dots(q, keys, stride, n, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if blocks <= MAX_QUERY_BLOCKS && has_avx2() {
+        // SAFETY: AVX2 was detected; the bounds were checked above.
+        unsafe { avx2::interleaved_block_dots(q, keys, stride, n, out) };
+        return;
+    }
+    interleaved_block_dots_scalar(q, keys, stride, n, out);
+}
+
+/// The definition of [`interleaved_block_dots`].
+pub fn interleaved_block_dots_scalar(
+    q: &[i8],
+    keys: &[i8],
+    stride: usize,
+    n: usize,
+    out: &mut [i32],
+) {
+    let blocks = q.len() / BLOCK;
+    for i in 0..n {
+        let block = &keys[i * stride..];
+        for j in 0..BLOCK_ROWS {
+            for b in 0..blocks {
+                out[(i * BLOCK_ROWS + j) * blocks + b] = (b * BLOCK..(b + 1) * BLOCK)
+                    .map(|d| q[d] as i32 * block[key_interleaved_at(j, d)] as i32)
+                    .sum();
+            }
+        }
+    }
+}
+
+/// Query values `4i..4i + 4` as one little-endian i32 (value `4i` in the low byte: the order
+/// of the interleaved bytes), for every quad of `q`.
+#[cfg(target_arch = "x86_64")]
+fn query_quads(q: &[i8]) -> [i32; 8 * MAX_QUERY_BLOCKS] {
+    let mut quads = [0; 8 * MAX_QUERY_BLOCKS];
+    for (quad, v) in quads.iter_mut().zip(q.chunks_exact(4)) {
+        *quad = i32::from_le_bytes([v[0] as u8, v[1] as u8, v[2] as u8, v[3] as u8]);
+    }
+    quads
+}
+
+/// Widest query the vector forms of [`interleaved_block_dots`] take, in blocks (head_dim 256).
+#[cfg(target_arch = "x86_64")]
+const MAX_QUERY_BLOCKS: usize = 8;
+
 /// The four weights of rows `4p..4p + 4` as one little-endian u32 (row `4p` in the low byte:
 /// the order of the interleaved bytes).
 #[cfg(target_arch = "x86_64")]
@@ -135,57 +150,21 @@ fn has_avx2() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! Eight block dot products reduced at once (`vphaddd`), and value rows taken two at a
-    //! time: their int8s sign-extended to i16 and interleaved, so one `vpmaddwd` by the pair of
-    //! probabilities adds both rows' products into i32 lanes held in registers.
+    //! `vpmaddubsw` (unsigned bytes times signed ones, adjacent pairs added into i16s) then
+    //! `vpmaddwd` by ones (the pairs into i32s): four bytes per i32 lane, as `vpdpbusd` does in
+    //! one instruction.
     use std::arch::x86_64::*;
 
     use crate::quant::BLOCK;
 
-    /// The 32 int8s at `p` as two vectors of 16 i16s.
-    #[inline]
+    /// See [`super::interleaved_block_dots`]; the caller checked the bounds and that the query
+    /// is at most `MAX_QUERY_BLOCKS` blocks. Per quad of the query and eight keys: `vpsignb`
+    /// gives each key byte the sign of its query value, so `vpmaddubsw` can take the query's
+    /// magnitudes as its unsigned bytes (pairs of products at most `2 · 128 · 127`: no key
+    /// byte is −128, so none saturates), and `vpmaddwd` by ones adds each key's two pairs into
+    /// its i32 lane.
     #[target_feature(enable = "avx2")]
-    unsafe fn widen32(p: *const i8) -> (__m256i, __m256i) {
-        // SAFETY: the caller guarantees 32 readable bytes at `p`; the loads are unaligned.
-        unsafe {
-            (
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast())),
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16).cast())),
-            )
-        }
-    }
-
-    /// The eight lane sums of `v[0..8]`, in order.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn reduce8(v: &[__m256i; 8]) -> __m256i {
-        let a = _mm256_hadd_epi32(v[0], v[1]);
-        let b = _mm256_hadd_epi32(v[2], v[3]);
-        let c = _mm256_hadd_epi32(v[4], v[5]);
-        let d = _mm256_hadd_epi32(v[6], v[7]);
-        // Per 128-bit half: the partial sums of v0..v3 (ab) and v4..v7 (cd).
-        let ab = _mm256_hadd_epi32(a, b);
-        let cd = _mm256_hadd_epi32(c, d);
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256(ab, cd, 0x20),
-            _mm256_permute2x128_si256(ab, cd, 0x31),
-        )
-    }
-
-    /// The sum of the eight lanes of `v`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn reduce1(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
-    }
-
-    /// See [`super::block_dots`]; the caller checked the bounds and that `out` has `n ·
-    /// blocks` elements.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn block_dots(
+    pub(super) unsafe fn interleaved_block_dots(
         q: &[i8],
         keys: &[i8],
         stride: usize,
@@ -193,34 +172,38 @@ mod avx2 {
         out: &mut [i32],
     ) {
         let blocks = q.len() / BLOCK;
-        // The query widened once: two vectors per block.
-        let qw: Vec<(__m256i, __m256i)> = (0..blocks)
-            // SAFETY: block `b` of `q` is 32 readable bytes.
-            .map(|b| unsafe { widen32(q.as_ptr().add(b * BLOCK)) })
-            .collect();
-        // (key, block) pairs in order, 8 lanes of pair sums each (|x| ≤ 2 · 128², exact),
-        // reduced eight at a time.
-        let mut pending = [_mm256_setzero_si256(); 8];
-        let (mut held, mut at) = (0, 0);
-        for i in 0..n {
-            // SAFETY: key `i` lies inside `keys` (checked by the caller).
-            let key = unsafe { keys.as_ptr().add(i * stride) };
-            for (b, &(ql, qh)) in qw.iter().enumerate() {
-                // SAFETY: block `b` of the key is inside it.
-                let (lo, hi) = unsafe { widen32(key.add(b * BLOCK)) };
-                pending[held] =
-                    _mm256_add_epi32(_mm256_madd_epi16(lo, ql), _mm256_madd_epi16(hi, qh));
-                held += 1;
-                if held == 8 {
-                    let dst: &mut [i32; 8] = (&mut out[at..at + 8]).try_into().expect("8 lanes");
-                    // SAFETY: `dst` is 8 writable i32s; the store is unaligned.
-                    unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), reduce8(&pending)) };
-                    (held, at) = (0, at + 8);
+        let quads = super::query_quads(q);
+        let ones = _mm256_set1_epi16(1);
+        let mut sums = [[0i32; 8]; super::MAX_QUERY_BLOCKS];
+        let per_block = super::BLOCK_ROWS * blocks;
+        for (k, out) in out.chunks_exact_mut(per_block).take(n).enumerate() {
+            // SAFETY: block `k` of keys lies inside `keys` (checked by the caller).
+            let base = unsafe { keys.as_ptr().add(k * stride) };
+            for eighth in 0..super::BLOCK_ROWS / 8 {
+                for (b, sum) in sums[..blocks].iter_mut().enumerate() {
+                    let mut acc = _mm256_setzero_si256();
+                    for i in 8 * b..8 * b + 8 {
+                        let qv = _mm256_set1_epi32(quads[i]);
+                        // SAFETY: quad `i` of keys `8 · eighth..` is 32 bytes inside the block
+                        // (checked by the caller); the load is unaligned.
+                        let k = unsafe {
+                            _mm256_loadu_si256(
+                                base.add((i * super::BLOCK_ROWS + 8 * eighth) * 4).cast(),
+                            )
+                        };
+                        let pairs =
+                            _mm256_maddubs_epi16(_mm256_abs_epi8(qv), _mm256_sign_epi8(k, qv));
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+                    }
+                    // SAFETY: `sum` is 8 writable i32s; the store is unaligned.
+                    unsafe { _mm256_storeu_si256(sum.as_mut_ptr().cast(), acc) };
+                }
+                for j in 0..8 {
+                    for (b, sum) in sums[..blocks].iter().enumerate() {
+                        out[(8 * eighth + j) * blocks + b] = sum[j];
+                    }
                 }
             }
-        }
-        for (o, &v) in out[at..].iter_mut().zip(&pending[..held]) {
-            *o = reduce1(v);
         }
     }
 
@@ -270,59 +253,15 @@ mod avx2 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod sse2 {
-    use std::arch::x86_64::*;
-
-    use crate::quant::BLOCK;
-
-    /// The low and high eight int8s of `x`, sign-extended to i16.
-    #[inline]
-    #[target_feature(enable = "sse2")]
-    fn widen(x: __m128i) -> (__m128i, __m128i) {
-        // Each byte doubled into an i16 (b·256 + b as u8), then shifted back arithmetically.
-        (
-            _mm_srai_epi16(_mm_unpacklo_epi8(x, x), 8),
-            _mm_srai_epi16(_mm_unpackhi_epi8(x, x), 8),
-        )
-    }
-
-    /// 16 int8s from `v[at..at + 16]`.
-    #[inline]
-    #[target_feature(enable = "sse2")]
-    fn load16(v: &[i8], at: usize) -> __m128i {
-        let chunk: &[i8; 16] = v[at..at + 16].try_into().expect("16 bytes");
-        // SAFETY: `chunk` is 16 readable bytes; the load is unaligned.
-        unsafe { _mm_loadu_si128(chunk.as_ptr().cast()) }
-    }
-
-    #[inline]
-    #[target_feature(enable = "sse2")]
-    pub(super) fn block_dot(a: &[i8; BLOCK], b: &[i8; BLOCK]) -> i32 {
-        let mut sum = _mm_setzero_si128();
-        for at in (0..BLOCK).step_by(16) {
-            let (al, ah) = widen(load16(a, at));
-            let (bl, bh) = widen(load16(b, at));
-            // Pairs of i16 products (each at most 2^14) summed into i32 lanes.
-            sum = _mm_add_epi32(sum, _mm_madd_epi16(al, bl));
-            sum = _mm_add_epi32(sum, _mm_madd_epi16(ah, bh));
-        }
-        let s = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
 mod avx512 {
     //! The AVX-512 VNNI forms (`vpdpbusd`: four unsigned bytes times four signed ones, added
     //! into an i32 lane).
     //!
-    //! Block dot products, for heads of an even number of blocks: one zmm holds two blocks of
-    //! a key, whose bytes are made unsigned (`k + 128`: the sign bit flipped) and multiplied by
-    //! the query's signed bytes. That adds `128 · Σ q` to each block's sum, so each block's
-    //! first lane starts that much below zero. Every lane stays far inside an i32 (`|lane| <=
-    //! 4 · 255 · 128 + 128 · 32 · 128`), so the sums are the definition's integers. Sixteen
-    //! (key, block) sums are reduced at once.
+    //! Block dot products: sixteen keys' bytes of one quad are made unsigned (`k + 128`: the
+    //! sign bit flipped) and multiplied by the query's signed bytes. That adds `128 · Σ q` to
+    //! each block's sum, so each block's sums start that much below zero. Every lane stays far
+    //! inside an i32 (`|lane| <= 32 · 255 · 128 + 128 · 32 · 128`), so the sums are the
+    //! definition's integers.
     //!
     //! Value rows: the weights (probabilities, at most 127) are the unsigned bytes, the four
     //! interleaved rows' values the signed ones (see [`super::add_interleaved_rows`]).
@@ -330,61 +269,115 @@ mod avx512 {
 
     use crate::quant::BLOCK;
 
-    /// Chunk vectors (two blocks each) reduced together.
-    const HELD: usize = 8;
-
-    /// Whether this CPU runs the VNNI form and a head of `blocks` blocks suits it: an even
-    /// number, at most `2 · HELD`. (Key `i`'s chunk `c` holds its blocks `2c` and `2c + 1`,
-    /// whose sums go to `out[2 · (i · chunks + c)..]`: consecutive chunks, wherever the keys
-    /// start, fill consecutive sums.)
-    pub(super) fn takes(blocks: usize) -> bool {
-        blocks.is_multiple_of(2)
-            && blocks <= 2 * HELD
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512vnni")
-    }
-
-    /// The sixteen block sums of eight chunk vectors, in order (chunk 0's two blocks first):
-    /// each block's eight lanes added up.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn reduce16(v: &[__m512i; HELD]) -> __m512i {
-        // Per pair of vectors: each 128-bit lane the four partial sums of one block (a's first
-        // block, a's second, b's first, b's second).
-        let pair = |a, b| {
-            _mm512_add_epi32(
-                _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b),
-                _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b),
-            )
-        };
-        let (p01, p23, p45, p67) = (
-            pair(v[0], v[1]),
-            pair(v[2], v[3]),
-            pair(v[4], v[5]),
-            pair(v[6], v[7]),
-        );
-        // A 4 × 4 transpose-and-add within each 128-bit lane: lane k ends as the sums of block
-        // k of p01, p23, p45, p67.
-        let e = _mm512_add_epi32(
-            _mm512_unpacklo_epi32(p01, p23),
-            _mm512_unpackhi_epi32(p01, p23),
-        );
-        let f = _mm512_add_epi32(
-            _mm512_unpacklo_epi32(p45, p67),
-            _mm512_unpackhi_epi32(p45, p67),
-        );
-        let r = _mm512_add_epi32(_mm512_unpacklo_epi64(e, f), _mm512_unpackhi_epi64(e, f));
-        // Sum `j` (pair j / 4, block j % 4 of it) is at 4 · (j % 4) + j / 4.
-        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        _mm512_permutexvar_epi32(order, r)
-    }
-
     /// Whether this CPU runs the VNNI form of [`super::add_interleaved_rows`] and rows of
     /// `width` values suit it (whole groups of 16).
     pub(super) fn takes_interleaved(width: usize) -> bool {
         width.is_multiple_of(16)
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512vnni")
+    }
+
+    /// Whether this CPU runs the VNNI form of [`super::interleaved_block_dots`] and a query of
+    /// `blocks` blocks suits it.
+    pub(super) fn takes_interleaved_dots(blocks: usize) -> bool {
+        blocks <= super::MAX_QUERY_BLOCKS
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+
+    /// See [`super::interleaved_block_dots`]; the caller checked [`takes_interleaved_dots`]
+    /// and the bounds. Per quad of the query and sixteen keys, one `vpdpbusd` of the keys'
+    /// bytes made unsigned (the sign bit flipped: `k + 128`) by the query's four values; each
+    /// block's sums start at `−128 · Σ q` over the block to take off what the flip added. The
+    /// sixteen keys' sums of each block are then transposed into the output's key-major order.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(super) unsafe fn interleaved_block_dots(
+        q: &[i8],
+        keys: &[i8],
+        stride: usize,
+        n: usize,
+        out: &mut [i32],
+    ) {
+        let blocks = q.len() / BLOCK;
+        let quads = super::query_quads(q);
+        let flip = _mm512_set1_epi8(i8::MIN);
+        let mut start = [_mm512_setzero_si512(); super::MAX_QUERY_BLOCKS];
+        for (b, s) in start[..blocks].iter_mut().enumerate() {
+            let sum: i32 = q[b * BLOCK..(b + 1) * BLOCK]
+                .iter()
+                .map(|&x| x as i32)
+                .sum();
+            *s = _mm512_set1_epi32(-128 * sum);
+        }
+        let per_block = super::BLOCK_ROWS * blocks;
+        for (k, out) in out.chunks_exact_mut(per_block).take(n).enumerate() {
+            // SAFETY: block `k` of keys lies inside `keys` (checked by the caller).
+            let base = unsafe { keys.as_ptr().add(k * stride) };
+            for half in 0..super::BLOCK_ROWS / 16 {
+                let mut sums = start;
+                for (b, sum) in sums[..blocks].iter_mut().enumerate() {
+                    for i in 8 * b..8 * b + 8 {
+                        // SAFETY: quad `i` of keys `16 · half..` is 64 bytes inside the block
+                        // (checked by the caller); the load is unaligned.
+                        let k = unsafe {
+                            _mm512_loadu_si512(
+                                base.add((i * super::BLOCK_ROWS + 16 * half) * 4).cast(),
+                            )
+                        };
+                        *sum = _mm512_dpbusd_epi32(
+                            *sum,
+                            _mm512_xor_si512(k, flip),
+                            _mm512_set1_epi32(quads[i]),
+                        );
+                    }
+                }
+                let dst = &mut out[16 * half * blocks..16 * (half + 1) * blocks];
+                store_key_major(&sums[..blocks], dst);
+            }
+        }
+    }
+
+    /// Sixteen keys' sums, one vector per block (lane = key), into `dst` key-major (`dst[j ·
+    /// blocks + b]`): directly for one block, by permutes for two, through memory otherwise.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store_key_major(sums: &[__m512i], dst: &mut [i32]) {
+        let blocks = sums.len();
+        match sums {
+            [a] => {
+                let d: &mut [i32; 16] = dst.try_into().expect("16 lanes");
+                // SAFETY: `d` is 16 writable i32s; the store is unaligned.
+                unsafe { _mm512_storeu_si512(d.as_mut_ptr().cast(), *a) };
+            }
+            [a, b] => {
+                let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                let hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+                let d: &mut [i32; 32] = dst.try_into().expect("32 lanes");
+                // SAFETY: `d` is 32 writable i32s; the stores are unaligned.
+                unsafe {
+                    _mm512_storeu_si512(
+                        d.as_mut_ptr().cast(),
+                        _mm512_permutex2var_epi32(*a, lo, *b),
+                    );
+                    _mm512_storeu_si512(
+                        d.as_mut_ptr().add(16).cast(),
+                        _mm512_permutex2var_epi32(*a, hi, *b),
+                    );
+                }
+            }
+            _ => {
+                let mut lanes = [[0i32; 16]; super::MAX_QUERY_BLOCKS];
+                for (l, s) in lanes.iter_mut().zip(sums) {
+                    // SAFETY: `l` is 16 writable i32s; the store is unaligned.
+                    unsafe { _mm512_storeu_si512(l.as_mut_ptr().cast(), *s) };
+                }
+                for (j, row) in dst.chunks_exact_mut(blocks).enumerate() {
+                    for (b, o) in row.iter_mut().enumerate() {
+                        *o = lanes[b][j];
+                    }
+                }
+            }
+        }
     }
 
     /// Output groups (16 values each) summed per pass over a block's rows.
@@ -428,58 +421,6 @@ mod avx512 {
             }
         }
     }
-
-    /// See [`super::block_dots`]; the caller checked [`takes`], the bounds, and that `out`
-    /// has `n · blocks` elements.
-    #[target_feature(enable = "avx512f,avx512vnni")]
-    pub(super) unsafe fn block_dots(
-        q: &[i8],
-        keys: &[i8],
-        stride: usize,
-        n: usize,
-        out: &mut [i32],
-    ) {
-        let chunks = q.len() / (2 * BLOCK);
-        let flip = _mm512_set1_epi8(i8::MIN);
-        // Per chunk: the query's 64 bytes, and the lanes each sum starts at (minus 128 times
-        // the block's query sum in the block's first lane).
-        let (mut qv, mut start) = (
-            [_mm512_setzero_si512(); HELD],
-            [_mm512_setzero_si512(); HELD],
-        );
-        for c in 0..chunks {
-            let at = c * 2 * BLOCK;
-            // SAFETY: the query holds `chunks` whole pairs of blocks; the load is unaligned.
-            qv[c] = unsafe { _mm512_loadu_si512(q.as_ptr().add(at).cast()) };
-            let sum = |b: usize| -> i32 { q[b..b + BLOCK].iter().map(|&x| x as i32).sum() };
-            let mut lanes = [0i32; 16];
-            (lanes[0], lanes[8]) = (-128 * sum(at), -128 * sum(at + BLOCK));
-            // SAFETY: `lanes` is 16 readable i32s; the load is unaligned.
-            start[c] = unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) };
-        }
-        let mut pending = [_mm512_setzero_si512(); HELD];
-        let (mut held, mut at) = (0, 0);
-        for i in 0..n {
-            // SAFETY: key `i` lies inside `keys` (checked by the caller).
-            let key = unsafe { keys.as_ptr().add(i * stride) };
-            for c in 0..chunks {
-                // SAFETY: chunk `c` of the key is 64 readable bytes; the load is unaligned.
-                let k = unsafe { _mm512_loadu_si512(key.add(c * 2 * BLOCK).cast()) };
-                pending[held] = _mm512_dpbusd_epi32(start[c], _mm512_xor_si512(k, flip), qv[c]);
-                held += 1;
-                if held == HELD {
-                    let dst: &mut [i32; 16] = (&mut out[at..at + 16]).try_into().expect("16 lanes");
-                    // SAFETY: `dst` is 16 writable i32s; the store is unaligned.
-                    unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), reduce16(&pending)) };
-                    (held, at) = (0, at + 16);
-                }
-            }
-        }
-        for (h, &v) in pending[..held].iter().enumerate() {
-            out[at + 2 * h] = _mm512_mask_reduce_add_epi32(0x00ff, v);
-            out[at + 2 * h + 1] = _mm512_mask_reduce_add_epi32(0xff00, v);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -488,43 +429,6 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        #[test]
-        fn block_dot_is_its_definition(a in prop::array::uniform32(any::<i8>()),
-                                       b in prop::array::uniform32(any::<i8>())) {
-            prop_assert_eq!(block_dot(&a, &b), block_dot_scalar(&a, &b));
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn block_dots_are_their_definition(blocks in 1usize..17, n in 0usize..40, pad in 0usize..70,
-                                           seed in any::<u64>(), extreme in any::<bool>()) {
-            let stride = blocks * BLOCK + pad;
-            let q = bytes(blocks * BLOCK, seed, extreme);
-            let keys = bytes(n * stride + 3, seed ^ 1, extreme);
-            let mut fast = Vec::new();
-            block_dots(&q, &keys, stride, n, &mut fast);
-            let mut slow = vec![0; n * blocks];
-            block_dots_scalar(&q, &keys, stride, n, &mut slow);
-            prop_assert_eq!(&fast, &slow);
-            // Each vector form on its own, whichever the dispatch picks on this CPU.
-            #[cfg(target_arch = "x86_64")]
-            {
-                let mut each = vec![i32::MIN; n * blocks];
-                if has_avx2() {
-                    // SAFETY: AVX2 was detected; the bounds hold by construction.
-                    unsafe { avx2::block_dots(&q, &keys, stride, n, &mut each) };
-                    prop_assert_eq!(&each, &slow);
-                }
-                if avx512::takes(blocks) {
-                    each.fill(i32::MIN);
-                    // SAFETY: AVX-512 VNNI was detected; the bounds hold by construction.
-                    unsafe { avx512::block_dots(&q, &keys, stride, n, &mut each) };
-                    prop_assert_eq!(&each, &slow);
-                }
-            }
-        }
-
         #[test]
         fn add_interleaved_rows_are_their_definition(width in prop::sample::select(vec![0usize, 8, 16, 24, 40, 64, 128, 136, 192, 256, 320]),
                                                      pad in 0usize..70,
@@ -556,6 +460,43 @@ mod tests {
         }
     }
 
+    proptest! {
+        #[test]
+        fn interleaved_block_dots_are_their_definition(blocks in 1usize..=9, n in 0usize..4,
+                                                       pad in 0usize..70, seed in any::<u64>(),
+                                                       extreme in any::<bool>()) {
+            let q = bytes(blocks * BLOCK, seed, extreme);
+            let stride = BLOCK_ROWS * blocks * BLOCK + pad;
+            // Keys as a cache holds them: no −128.
+            let keys: Vec<i8> = bytes(n * stride + 3, seed ^ 1, extreme)
+                .into_iter()
+                .map(|x| x.max(-127))
+                .collect();
+            let len = n * BLOCK_ROWS * blocks;
+            let mut fast = vec![i32::MIN; len];
+            interleaved_block_dots(&q, &keys, stride, n, &mut fast);
+            let mut slow = vec![0; len];
+            interleaved_block_dots_scalar(&q, &keys, stride, n, &mut slow);
+            prop_assert_eq!(&fast, &slow);
+            // Each vector form on its own, whichever the dispatch picks on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            {
+                let mut each = vec![i32::MIN; len];
+                if blocks <= MAX_QUERY_BLOCKS && has_avx2() {
+                    // SAFETY: AVX2 was detected; the bounds hold by construction.
+                    unsafe { avx2::interleaved_block_dots(&q, &keys, stride, n, &mut each) };
+                    prop_assert_eq!(&each, &slow);
+                }
+                if avx512::takes_interleaved_dots(blocks) {
+                    each.fill(i32::MIN);
+                    // SAFETY: AVX-512 VNNI was detected; the bounds hold by construction.
+                    unsafe { avx512::interleaved_block_dots(&q, &keys, stride, n, &mut each) };
+                    prop_assert_eq!(&each, &slow);
+                }
+            }
+        }
+    }
+
     /// Deterministic int8s; with `extreme`, mostly ±127 and −128.
     fn bytes(n: usize, seed: u64, extreme: bool) -> Vec<i8> {
         let mut s = seed | 1;
@@ -574,8 +515,13 @@ mod tests {
 
     #[test]
     fn extremes_are_exact() {
-        let (a, b) = ([-128i8; BLOCK], [-128i8; BLOCK]);
-        assert_eq!(block_dot(&a, &b), 32 * 16384);
+        // A query of −128s against keys of −127s, each form's width of query.
+        for blocks in [1, 2, 9] {
+            let keys = vec![-127i8; BLOCK_ROWS * blocks * BLOCK];
+            let mut out = vec![0; BLOCK_ROWS * blocks];
+            interleaved_block_dots(&vec![-128; blocks * BLOCK], &keys, 0, 1, &mut out);
+            assert!(out.iter().all(|&x| x == 32 * 128 * 127), "{blocks} blocks");
+        }
         // Every weight 127 times every value −128, for each form's width.
         for width in [8, 24, 64] {
             let mut acc = vec![i32::MIN + 32 * 127 * 128; width];

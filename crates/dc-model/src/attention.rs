@@ -37,8 +37,12 @@ pub struct LayerCache {
     head_dim: usize,
     /// Blocks per head vector.
     hb: usize,
-    /// `[pos][kv_head][hb · 32]`.
-    k_q: Vec<i8>,
+    /// The quantised keys (each padded to whole blocks, `hb · 32` values) in blocks of
+    /// [`BLOCK`] positions, per kv head by quads of values (`[pos / 32][kv_head]`, then
+    /// [`int8::key_interleaved_at`]): the scores take a block's keys sixteen at a time per
+    /// quad ([`int8::interleaved_block_dots`]). Whole blocks are held, the positions not yet
+    /// held zero.
+    k_t: Vec<i8>,
     /// `[pos][kv_head][hb]`.
     k_s: Vec<BlockScale>,
     /// `k_s` again, each scale packed in one i32 as `m | e << 16`, one column per kv head
@@ -128,7 +132,7 @@ impl LayerCache {
             kv_heads,
             head_dim,
             hb: head_dim.div_ceil(BLOCK),
-            k_q: Vec::new(),
+            k_t: Vec::new(),
             k_s: Vec::new(),
             k_me: vec![Vec::new(); kv_heads * head_dim.div_ceil(BLOCK)],
             v_t: Vec::new(),
@@ -159,7 +163,7 @@ impl LayerCache {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.k_q.len() + self.v_t.len() + (self.k_s.len() * 2) * 4 + self.v_e.len() * 2
+        self.k_t.len() + self.v_t.len() + (self.k_s.len() * 2) * 4 + self.v_e.len() * 2
     }
 
     /// Bytes of one position's canonical encoding: per kv head, the key's int8 blocks (padded
@@ -174,9 +178,7 @@ impl LayerCache {
         let (kvh, hb, hd) = (self.kv_heads, self.hb, self.head_dim);
         for g in 0..kvh {
             let base = (pos * kvh + g) * hb;
-            for &q in &self.k_q[base * BLOCK..(base + hb) * BLOCK] {
-                out.push(q as u8);
-            }
+            out.extend((0..hb * BLOCK).map(|d| self.key(pos, g, d) as u8));
             for s in &self.k_s[base..base + hb] {
                 out.push(s.m);
                 out.extend_from_slice(&s.e.to_le_bytes());
@@ -216,6 +218,42 @@ impl LayerCache {
         BLOCK * self.head_dim
     }
 
+    /// Bytes of one block of one kv head's keys in `k_t`.
+    fn key_block_bytes(&self) -> usize {
+        BLOCK * self.hb * BLOCK
+    }
+
+    /// Where value `d` of the key at position `pos`, kv head `g` sits in `k_t`.
+    fn key_at(&self, pos: usize, g: usize, d: usize) -> usize {
+        (pos / BLOCK * self.kv_heads + g) * self.key_block_bytes()
+            + int8::key_interleaved_at(pos % BLOCK, d)
+    }
+
+    /// Value `d` of the key at position `pos`, kv head `g` (`d < hb · 32`: the padding is 0).
+    pub(crate) fn key(&self, pos: usize, g: usize, d: usize) -> i8 {
+        self.k_t[self.key_at(pos, g, d)]
+    }
+
+    /// `k_t` from kv head `g`'s keys of the block of positions `32 b..32 b + 32` on (by
+    /// quads; its next block is `kv_heads` key blocks further).
+    fn key_blocks_from(&self, b: usize, g: usize) -> &[i8] {
+        &self.k_t[(b * self.kv_heads + g) * self.key_block_bytes()..]
+    }
+
+    /// Writes kv head `g`'s quantised key values from `d0` on (the key is padded to whole
+    /// blocks) at position `self.len`, making room for its block when it is the block's first.
+    fn put_key(&mut self, g: usize, d0: usize, key: impl Iterator<Item = i8>) {
+        let pos = self.len;
+        let through = (pos / BLOCK + 1) * self.kv_heads * self.key_block_bytes();
+        if self.k_t.len() < through {
+            self.k_t.resize(through, 0);
+        }
+        for (d, k) in (d0..).zip(key) {
+            let at = self.key_at(pos, g, d);
+            self.k_t[at] = k;
+        }
+    }
+
     /// Where value `d` of position `pos`, kv head `g` sits in `v_t`.
     fn value_at(&self, pos: usize, g: usize, d: usize) -> usize {
         (pos / BLOCK * self.kv_heads + g) * self.value_block_bytes()
@@ -253,7 +291,8 @@ impl LayerCache {
         // row past it, which must not stay in front of the next row.
         if len <= self.len {
             let per = self.kv_heads;
-            self.k_q.truncate(len * per * self.hb * BLOCK);
+            self.k_t
+                .truncate(len.div_ceil(BLOCK) * per * self.key_block_bytes());
             self.k_s.truncate(len * per * self.hb);
             for column in &mut self.k_me {
                 column.truncate(len);
@@ -263,6 +302,10 @@ impl LayerCache {
             // The positions past `len` in its last block back to zero, as a fresh block is.
             for pos in len..len.div_ceil(BLOCK) * BLOCK {
                 for g in 0..per {
+                    for d in 0..self.hb * BLOCK {
+                        let at = self.key_at(pos, g, d);
+                        self.k_t[at] = 0;
+                    }
                     for d in 0..self.head_dim {
                         let at = self.value_at(pos, g, d);
                         self.v_t[at] = 0;
@@ -299,7 +342,7 @@ impl LayerCache {
         let hb = c.hb;
         // Amortised growth, not `reserve_exact`: a checker extends its verified cache by a
         // few rows per check, and an exact reservation would copy the whole cache each time.
-        c.k_q.reserve(n * kv_heads * hb * BLOCK);
+        c.k_t.reserve((n + BLOCK) * kv_heads * hb * BLOCK);
         c.k_s.reserve(n * kv_heads * hb);
         for column in &mut c.k_me {
             column.reserve(n);
@@ -330,7 +373,7 @@ impl LayerCache {
             let mut at = 0;
             for g in 0..kv_heads {
                 let k = &row[at..at + hb * BLOCK];
-                c.k_q.extend(k.iter().map(|&b| b as i8));
+                c.put_key(g, 0, k.iter().map(|&b| b as i8));
                 at += hb * BLOCK;
                 for s in row[at..at + hb * 3].chunks_exact(3) {
                     let e = i16::from_le_bytes([s[1], s[2]]);
@@ -367,7 +410,7 @@ impl LayerCache {
                     let mut q = [0i8; BLOCK];
                     let scale = quantize_block(vals, &mut q);
                     self.push_key_scale(scale);
-                    self.k_q.extend_from_slice(&q);
+                    self.put_key(g, b * BLOCK, q.into_iter());
                 }
                 let vh = &vr[g * self.head_dim..(g + 1) * self.head_dim];
                 let amax = vh.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -578,7 +621,7 @@ const SCORE_F64_SPAN: i32 = 15;
 /// One query head at absolute position `pos`: the same values as
 /// [`reference::head_attention`] (property-tested bit for bit), without its per-head
 /// allocations, with each `exp` taken once, the block dot products and value rows in vector
-/// loops ([`int8::block_dots`], [`int8::add_interleaved_rows`]), a key's score summed in f64 where
+/// loops ([`int8::interleaved_block_dots`], [`int8::add_interleaved_rows`]), a key's score summed in f64 where
 /// that is exact, and each output's block terms summed once in an i64 where they fit. `simd`:
 /// the per-key f64 loops four keys at a time where the CPU has AVX2 (the same bits).
 #[allow(clippy::too_many_arguments)]
@@ -619,17 +662,19 @@ fn head_attention(
         qs.push(quantize_block(vals, dst));
     }
     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let n = pos + 1 - lo;
-    // Scores: every key's block products at once, then per key the exact sum of its block
-    // terms, rounded once to f32, then the f32 scale.
-    let key_bytes = hb * BLOCK;
-    int8::block_dots(
+    let (first_block, last_block) = (lo / BLOCK, pos / BLOCK);
+    // Scores: the block products of every key of the blocks that hold keys `lo..=pos`, then
+    // per key the exact sum of its block terms, rounded once to f32, then the f32 scale.
+    dots.clear();
+    dots.resize((last_block + 1 - first_block) * BLOCK * hb, 0);
+    int8::interleaved_block_dots(
         qq,
-        &cache.k_q[(lo * kvh + g) * key_bytes..],
-        kvh * key_bytes,
-        n,
+        cache.key_blocks_from(first_block, g),
+        kvh * cache.key_block_bytes(),
+        last_block + 1 - first_block,
         dots,
     );
+    let dots = &dots[(lo - first_block * BLOCK) * hb..(pos + 1 - first_block * BLOCK) * hb];
     let keys = KeyScales {
         scales: &cache.k_s[(lo * kvh + g) * hb..],
         packed: &cache.k_me[g * hb..(g + 1) * hb],
@@ -672,7 +717,6 @@ fn head_attention(
     softmax_with(scores, exps);
     // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions; each
     // block's value rows times its probabilities summed into its own i32 accumulators.
-    let (first_block, last_block) = (lo / BLOCK, pos / BLOCK);
     ctx_scales.clear();
     ctx_acc.clear();
     for b in first_block..=last_block {
@@ -1179,12 +1223,12 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Each position's values are stored as quantised, whatever block and kv head they
-        /// fall in (read back through the canonical encoding against the quantisation done
-        /// here), and a cache cut back, or refused a row half written, holds what a cache of
-        /// only the rows before does, byte for byte.
+        /// Each position's keys and values are stored as quantised, whatever block and kv
+        /// head they fall in (read back through the canonical encoding against the
+        /// quantisation done here), and a cache cut back, or refused a row half written, holds
+        /// what a cache of only the rows before does, byte for byte.
         #[test]
-        fn values_come_back_as_quantised_and_a_cut_leaves_no_trace(
+        fn keys_and_values_come_back_as_quantised_and_a_cut_leaves_no_trace(
             kvh in 1usize..4,
             hd in proptest::sample::select(vec![8usize, 40, 64]),
             n in 1usize..80,
@@ -1210,6 +1254,15 @@ mod tests {
             let rows = whole.encode_rows(0..n);
             for (pos, row) in rows.chunks_exact(rb).enumerate() {
                 for g in 0..kvh {
+                    let kh = &k[(pos * kvh + g) * hd..(pos * kvh + g + 1) * hd];
+                    let at = g * (hb * (BLOCK + 3) + hd + 2);
+                    for b in 0..hb {
+                        let mut expected = [0i8; BLOCK];
+                        quantize_block(&kh[b * BLOCK..((b + 1) * BLOCK).min(hd)], &mut expected);
+                        let expected = expected.map(|x| x as u8);
+                        let stored = &row[at + b * BLOCK..at + (b + 1) * BLOCK];
+                        proptest::prop_assert_eq!(stored, &expected[..], "key at {}, kv head {}", pos, g);
+                    }
                     let vh = &v[(pos * kvh + g) * hd..(pos * kvh + g + 1) * hd];
                     let e = v_exponent(vh.iter().fold(0f32, |m, x| m.max(x.abs())));
                     let expected: Vec<u8> = vh
@@ -1223,8 +1276,10 @@ mod tests {
             let before = LayerCache::from_encoded(kvh, hd, &rows[..cut * rb]).unwrap();
             let mut cut_back = whole.clone();
             cut_back.truncate(cut);
+            proptest::prop_assert_eq!(&cut_back.k_t, &before.k_t);
             proptest::prop_assert_eq!(&cut_back.v_t, &before.v_t);
             cut_back.append(&k[cut * kvh * hd..], &v[cut * kvh * hd..]).unwrap();
+            proptest::prop_assert_eq!(&cut_back.k_t, &whole.k_t);
             proptest::prop_assert_eq!(&cut_back.v_t, &whole.v_t);
             // The row at `cut` refused at its last kv head's value exponent, after every kv
             // head's values went in.
@@ -1232,6 +1287,7 @@ mod tests {
             bad[rb - 2..].copy_from_slice(&i16::MAX.to_le_bytes());
             let mut refused = before.clone();
             proptest::prop_assert!(refused.extend_encoded(&bad).is_err());
+            proptest::prop_assert_eq!(&refused.k_t, &before.k_t);
             proptest::prop_assert_eq!(&refused.v_t, &before.v_t);
             proptest::prop_assert_eq!(refused.encode_rows(0..cut), &rows[..cut * rb]);
         }
@@ -1285,6 +1341,21 @@ mod tests {
     fn f64_scale_matches_the_f32_rule_on_f32_values() {
         for a in [1e-38f32, 0.001, 0.5, 1.0, 2.5167596, 127.0, 3e38] {
             assert_eq!(scale_for_amax_f64(a as f64), BlockScale::for_amax(a), "{a}");
+        }
+        // Every positive finite f32 of a random stream (the rule's every mantissa path).
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..200_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let a = f32::from_bits((s >> 33) as u32);
+            if a.is_finite() && a > 0.0 {
+                assert_eq!(
+                    scale_for_amax_f64(a as f64),
+                    BlockScale::for_amax(a),
+                    "{a:e}"
+                );
+            }
         }
         // Beyond the f32 range: still the smallest admissible scale.
         let a = 1e-300f64;

@@ -47,7 +47,8 @@ fn cases() -> impl Strategy<Value = Case> {
         // 264: past the widest head the fast kernel takes (it hands those to the reference).
         prop::sample::select(vec![8usize, 32, 40, 64, 80, 128, 264]),
         prop::option::of(1usize..80),
-        0usize..100,
+        // Some contexts of up to ten blocks of keys.
+        prop_oneof![0usize..100, 100usize..300],
         1usize..6,
         // 1e17: with the 2^20 outliers, scores past the f32 range (an error naming the key).
         prop::sample::select(vec![1e-3f32, 1.0, 30.0, 1e4, 1e17]),

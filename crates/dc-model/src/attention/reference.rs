@@ -41,11 +41,8 @@ pub(super) fn head_attention(
         terms.clear();
         let base = (j * kvh + g) * hb;
         for b in 0..hb {
-            let kq = &cache.k_q[(base + b) * BLOCK..(base + b + 1) * BLOCK];
-            let d: i32 = qq[b * BLOCK..(b + 1) * BLOCK]
-                .iter()
-                .zip(kq)
-                .map(|(&a, &c)| a as i32 * c as i32)
+            let d: i32 = (b * BLOCK..(b + 1) * BLOCK)
+                .map(|d| qq[d] as i32 * cache.key(j, g, d) as i32)
                 .sum();
             let (sq, sk) = (qs[b], cache.k_s[base + b]);
             terms.push((
