@@ -178,12 +178,15 @@ impl LayerCache {
         let (kvh, hb, hd) = (self.kv_heads, self.hb, self.head_dim);
         for g in 0..kvh {
             let base = (pos * kvh + g) * hb;
-            out.extend((0..hb * BLOCK).map(|d| self.key(pos, g, d) as u8));
+            // The layouts' strides (see `put_key` and `put_values`).
+            let key = &self.k_t[self.key_at(pos, g, 0)..];
+            out.extend((0..hb * BLOCK).map(|n| key[n / 4 * 4 * BLOCK + n % 4] as u8));
             for s in &self.k_s[base..base + hb] {
                 out.push(s.m);
                 out.extend_from_slice(&s.e.to_le_bytes());
             }
-            out.extend((0..hd).map(|d| self.value(pos, g, d) as u8));
+            let values = &self.v_t[self.value_at(pos, g, 0)..];
+            out.extend(values.iter().step_by(4).take(hd).map(|&v| v as u8));
             out.extend_from_slice(&self.v_e[pos * kvh + g].to_le_bytes());
         }
     }
@@ -240,17 +243,21 @@ impl LayerCache {
         &self.k_t[(b * self.kv_heads + g) * self.key_block_bytes()..]
     }
 
-    /// Writes kv head `g`'s quantised key values from `d0` on (the key is padded to whole
-    /// blocks) at position `self.len`, making room for its block when it is the block's first.
+    /// Writes kv head `g`'s quantised key values from `d0` on (a multiple of 4; the key is
+    /// padded to whole blocks) at position `self.len`, making room for its block when it is
+    /// the block's first.
     fn put_key(&mut self, g: usize, d0: usize, key: impl Iterator<Item = i8>) {
         let pos = self.len;
         let through = (pos / BLOCK + 1) * self.kv_heads * self.key_block_bytes();
         if self.k_t.len() < through {
             self.k_t.resize(through, 0);
         }
-        for (d, k) in (d0..).zip(key) {
-            let at = self.key_at(pos, g, d);
-            self.k_t[at] = k;
+        // Value `d0 + n` is byte `n % 4` of the key's slot in quad `n / 4` after `d0`'s
+        // (`d0` starts a quad): the quads are a block of keys' four bytes each apart.
+        let at = self.key_at(pos, g, d0);
+        let slots = &mut self.k_t[at..];
+        for (n, k) in key.enumerate() {
+            slots[n / 4 * 4 * BLOCK + n % 4] = k;
         }
     }
 
@@ -279,9 +286,10 @@ impl LayerCache {
         if self.v_t.len() < through {
             self.v_t.resize(through, 0);
         }
-        for (d, v) in values.enumerate() {
-            let at = self.value_at(pos, g, d);
-            self.v_t[at] = v;
+        // Value `d` is four bytes after value `d − 1` (`interleaved_at`).
+        let at = self.value_at(pos, g, 0);
+        for (slot, v) in self.v_t[at..].iter_mut().step_by(4).zip(values) {
+            *slot = v;
         }
     }
 
