@@ -54,7 +54,9 @@ pub struct LayerCache {
     /// block's value rows four at a time ([`int8::add_interleaved_rows`]). Whole blocks are
     /// held, the positions not yet held zero.
     v_t: Vec<i8>,
-    /// `[pos][kv_head]`: V's power-of-two exponent.
+    /// V's power-of-two exponents in blocks of [`BLOCK`] positions (`[pos / 32][kv_head][pos %
+    /// 32]`): a block's probabilities are scaled by 8 (or 4) contiguous exponents at a time.
+    /// Whole blocks are held, the positions not yet held zero.
     v_e: Vec<i16>,
     len: usize,
 }
@@ -187,7 +189,7 @@ impl LayerCache {
             }
             let values = &self.v_t[self.value_at(pos, g, 0)..];
             out.extend(values.iter().step_by(4).take(hd).map(|&v| v as u8));
-            out.extend_from_slice(&self.v_e[pos * kvh + g].to_le_bytes());
+            out.extend_from_slice(&self.v_e[self.exponent_at(pos, g)].to_le_bytes());
         }
     }
 
@@ -293,6 +295,27 @@ impl LayerCache {
         }
     }
 
+    /// Where the exponent of position `pos`, kv head `g`'s values sits in `v_e`.
+    fn exponent_at(&self, pos: usize, g: usize) -> usize {
+        (pos / BLOCK * self.kv_heads + g) * BLOCK + pos % BLOCK
+    }
+
+    /// The exponent of position `pos`, kv head `g`'s values.
+    pub(crate) fn value_exponent(&self, pos: usize, g: usize) -> i16 {
+        self.v_e[self.exponent_at(pos, g)]
+    }
+
+    /// Writes kv head `g`'s value exponent at position `self.len` (making room for its block
+    /// when it is the block's first).
+    fn put_exponent(&mut self, g: usize, e: i16) {
+        let through = (self.len / BLOCK + 1) * self.kv_heads * BLOCK;
+        if self.v_e.len() < through {
+            self.v_e.resize(through, 0);
+        }
+        let at = self.exponent_at(self.len, g);
+        self.v_e[at] = e;
+    }
+
     /// Keeps only the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         // Also when `len` is the length held: a refused extension may have written part of a
@@ -307,6 +330,7 @@ impl LayerCache {
             }
             self.v_t
                 .truncate(len.div_ceil(BLOCK) * per * self.value_block_bytes());
+            self.v_e.truncate(len.div_ceil(BLOCK) * per * BLOCK);
             // The positions past `len` in its last block back to zero, as a fresh block is.
             for pos in len..len.div_ceil(BLOCK) * BLOCK {
                 for g in 0..per {
@@ -318,9 +342,10 @@ impl LayerCache {
                         let at = self.value_at(pos, g, d);
                         self.v_t[at] = 0;
                     }
+                    let at = self.exponent_at(pos, g);
+                    self.v_e[at] = 0;
                 }
             }
-            self.v_e.truncate(len * per);
             self.len = len;
         }
     }
@@ -356,7 +381,7 @@ impl LayerCache {
             column.reserve(n);
         }
         c.v_t.reserve((n + BLOCK) * kv_heads * head_dim);
-        c.v_e.reserve(n * kv_heads);
+        c.v_e.reserve((n + BLOCK) * kv_heads);
         let first = c.len;
         let bad = |what: &str, pos: usize| {
             ModelError::Input(format!(
@@ -397,7 +422,7 @@ impl LayerCache {
                 if !exponent_ok(e) {
                     return Err(bad("a value exponent out of range", pos));
                 }
-                c.v_e.push(e);
+                c.put_exponent(g, e);
                 at += 2;
             }
             c.len += 1;
@@ -429,7 +454,7 @@ impl LayerCache {
                     round_half_even(x as f64 * inv).clamp(-QMAX as f64, QMAX as f64) as i8
                 });
                 self.put_values(g, quantized);
-                self.v_e.push(e as i16);
+                self.put_exponent(g, e as i16);
             }
             self.len += 1;
         }
@@ -730,10 +755,13 @@ fn head_attention(
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
         let keys = j1 + 1 - j0;
-        let (probabilities, exponents) = (&scores[j0 - lo..=j1 - lo], &cache.v_e[j0 * kvh + g..]);
+        let (probabilities, exponents) = (
+            &scores[j0 - lo..=j1 - lo],
+            &cache.v_e[cache.exponent_at(j0, g)..],
+        );
         let mut pv = [0f64; BLOCK];
         let pv = &mut pv[..keys];
-        let amax = probabilities_loops(simd).0(probabilities, exponents, kvh, pv);
+        let amax = probabilities_loops(simd).0(probabilities, exponents, pv);
         if amax == 0.0 {
             continue;
         }
@@ -751,21 +779,21 @@ fn head_attention(
     context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
 }
 
-/// [`scaled_probabilities`] and [`quantized_probabilities`]: their AVX2 forms (the second in
-/// AVX-512 where the CPU has that too) where `simd` is asked for and the CPU has AVX2, the
-/// scalar loops otherwise.
+/// [`scaled_probabilities`] and [`quantized_probabilities`]: where `simd` is asked for, their
+/// AVX-512 forms where the CPU has that, their AVX2 forms where it has that; the scalar loops
+/// otherwise.
 #[allow(clippy::type_complexity)]
 fn probabilities_loops(
     simd: bool,
 ) -> (
-    fn(&[f32], &[i16], usize, &mut [f64]) -> f64,
+    fn(&[f32], &[i16], &mut [f64]) -> f64,
     fn(&[f64], f64, f64, &mut [i32]),
 ) {
     #[cfg(target_arch = "x86_64")]
-    if simd && avx512::available() && avx2::available() {
-        // SAFETY: AVX-512F and AVX2 were detected, which is all these forms need.
+    if simd && avx512::available() {
+        // SAFETY: AVX-512F was detected, which is all these forms need.
         return (
-            |p, e, s, o| unsafe { avx2::scaled_probabilities(p, e, s, o) },
+            |p, e, o| unsafe { avx512::scaled_probabilities(p, e, o) },
             |p, i, m, o| unsafe { avx512::quantized_probabilities(p, i, m, o) },
         );
     }
@@ -773,7 +801,7 @@ fn probabilities_loops(
     if simd && avx2::available() {
         // SAFETY: AVX2 was detected, which is all these forms need.
         return (
-            |p, e, s, o| unsafe { avx2::scaled_probabilities(p, e, s, o) },
+            |p, e, o| unsafe { avx2::scaled_probabilities(p, e, o) },
             |p, i, m, o| unsafe { avx2::quantized_probabilities(p, i, m, o) },
         );
     }
@@ -782,16 +810,11 @@ fn probabilities_loops(
 }
 
 /// `P'_j = P_j · 2^e_j` for a block of keys into `out` (exact in f64): key `j`'s probability
-/// `probabilities[j]`, its value's exponent `exponents[j · stride]`; returns the largest.
-fn scaled_probabilities(
-    probabilities: &[f32],
-    exponents: &[i16],
-    stride: usize,
-    out: &mut [f64],
-) -> f64 {
+/// `probabilities[j]`, its value's exponent `exponents[j]`; returns the largest.
+fn scaled_probabilities(probabilities: &[f32], exponents: &[i16], out: &mut [f64]) -> f64 {
     let mut amax = 0f64;
-    for (j, (p, &prob)) in out.iter_mut().zip(probabilities).enumerate() {
-        *p = prob as f64 * pow2(exponents[j * stride] as i32);
+    for ((p, &prob), &e) in out.iter_mut().zip(probabilities).zip(exponents) {
+        *p = prob as f64 * pow2(e as i32);
         amax = amax.max(*p);
     }
     amax
@@ -1279,6 +1302,7 @@ mod tests {
                         .collect();
                     let at = g * (hb * (BLOCK + 3) + hd + 2) + hb * (BLOCK + 3);
                     proptest::prop_assert_eq!(&row[at..at + hd], &expected[..], "position {}, kv head {}", pos, g);
+                    proptest::prop_assert_eq!(&row[at + hd..at + hd + 2], &(e as i16).to_le_bytes()[..]);
                 }
             }
             let before = LayerCache::from_encoded(kvh, hd, &rows[..cut * rb]).unwrap();
@@ -1286,9 +1310,11 @@ mod tests {
             cut_back.truncate(cut);
             proptest::prop_assert_eq!(&cut_back.k_t, &before.k_t);
             proptest::prop_assert_eq!(&cut_back.v_t, &before.v_t);
+            proptest::prop_assert_eq!(&cut_back.v_e, &before.v_e);
             cut_back.append(&k[cut * kvh * hd..], &v[cut * kvh * hd..]).unwrap();
             proptest::prop_assert_eq!(&cut_back.k_t, &whole.k_t);
             proptest::prop_assert_eq!(&cut_back.v_t, &whole.v_t);
+            proptest::prop_assert_eq!(&cut_back.v_e, &whole.v_e);
             // The row at `cut` refused at its last kv head's value exponent, after every kv
             // head's values went in.
             let mut bad = rows[cut * rb..(cut + 1) * rb].to_vec();
@@ -1297,6 +1323,7 @@ mod tests {
             proptest::prop_assert!(refused.extend_encoded(&bad).is_err());
             proptest::prop_assert_eq!(&refused.k_t, &before.k_t);
             proptest::prop_assert_eq!(&refused.v_t, &before.v_t);
+            proptest::prop_assert_eq!(&refused.v_e, &before.v_e);
             proptest::prop_assert_eq!(refused.encode_rows(0..cut), &rows[..cut * rb]);
         }
     }

@@ -140,6 +140,45 @@ pub(super) unsafe fn scores<const HB: usize>(
     Ok(())
 }
 
+/// [`super::scaled_probabilities`], eight keys at a time: the AVX2 form's operations (an
+/// exact product by `2^e`, the maximum of values never negative nor NaN, so in any order).
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn scaled_probabilities(
+    probabilities: &[f32],
+    exponents: &[i16],
+    out: &mut [f64],
+) -> f64 {
+    let n = out.len().min(probabilities.len()).min(exponents.len());
+    let whole = n / 8 * 8;
+    let mut amax8 = _mm512_setzero_pd();
+    for j in (0..whole).step_by(8) {
+        let e: &[i16; 8] = exponents[j..j + 8].try_into().expect("8 lanes");
+        // SAFETY: `e` is 8 readable i16s (16 bytes); the load is unaligned.
+        let e = _mm256_cvtepi16_epi32(unsafe { _mm_loadu_si128(e.as_ptr().cast()) });
+        let src: &[f32; 8] = probabilities[j..j + 8].try_into().expect("8 lanes");
+        // SAFETY: `src` is 8 readable f32s; the load is unaligned.
+        let p = _mm512_cvtps_pd(unsafe { _mm256_loadu_ps(src.as_ptr()) });
+        let p = _mm512_mul_pd(p, pow2(e));
+        let dst: &mut [f64; 8] = (&mut out[j..j + 8]).try_into().expect("8 lanes");
+        // SAFETY: `dst` is 8 writable f64s; the store is unaligned.
+        unsafe { _mm512_storeu_pd(dst.as_mut_ptr(), p) };
+        amax8 = _mm512_max_pd(amax8, p);
+    }
+    let mut lanes = [0f64; 8];
+    // SAFETY: `lanes` is 8 writable f64s.
+    unsafe { _mm512_storeu_pd(lanes.as_mut_ptr(), amax8) };
+    let amax = lanes.iter().fold(0f64, |a, &l| a.max(l));
+    let tail = super::scaled_probabilities(
+        &probabilities[whole..n],
+        &exponents[whole..n],
+        &mut out[whole..n],
+    );
+    amax.max(tail)
+}
+
 /// [`super::quantized_probabilities`], eight keys at a time: the AVX2 form's operations (an
 /// exact scaling, one correctly rounded division, rounding half to even, at most `QMAX`).
 ///
@@ -172,7 +211,7 @@ pub(super) unsafe fn quantized_probabilities(pv: &[f64], inv: f64, m: f64, out: 
 
 #[cfg(test)]
 mod tests {
-    use super::super::scores_forms::{far_apart_terms, random_case};
+    use super::super::scores_forms::{far_apart_terms, random_case, xorshift};
     use super::*;
     use proptest::prelude::*;
 
@@ -198,6 +237,29 @@ mod tests {
             unsafe { quantized_probabilities(&pv, inv, m as f64, &mut fast) };
             super::super::quantized_probabilities(&pv, inv, m as f64, &mut slow);
             prop_assert_eq!(fast, slow);
+        }
+
+        #[test]
+        fn scaled_probabilities_are_the_scalar_loop_bit_for_bit(n in 0usize..40, seed: u64, tiny: bool) {
+            prop_assume!(available());
+            let mut next = xorshift(seed);
+            // Probabilities in [0, 1] (some exactly 0 or 1), exponents as V's can be.
+            let probabilities: Vec<f32> = (0..n)
+                .map(|_| match next() % 7 {
+                    0 => 0.0,
+                    1 => 1.0,
+                    r if tiny => (r as f32) * 1e-30,
+                    _ => (next() >> 40) as f32 / (1u64 << 24) as f32,
+                })
+                .collect();
+            let exponents: Vec<i16> = (0..n).map(|_| (next() % 600) as i16 - 300).collect();
+            let (mut fast, mut slow) = (vec![f64::NAN; n], vec![f64::NAN; n]);
+            // SAFETY: AVX-512F was detected.
+            let a = unsafe { scaled_probabilities(&probabilities, &exponents, &mut fast) };
+            let b = super::super::scaled_probabilities(&probabilities, &exponents, &mut slow);
+            prop_assert_eq!(a.to_bits(), b.to_bits());
+            let to_bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(to_bits(&fast), to_bits(&slow));
         }
 
         #[test]

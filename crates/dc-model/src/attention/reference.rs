@@ -69,7 +69,9 @@ pub(super) fn head_attention(
     for b in first_block..=last_block {
         let (j0, j1) = ((b * BLOCK).max(lo), ((b + 1) * BLOCK - 1).min(pos));
         pv.clear();
-        pv.extend((j0..=j1).map(|j| scores[j - lo] as f64 * pow2(cache.v_e[j * kvh + g] as i32)));
+        pv.extend(
+            (j0..=j1).map(|j| scores[j - lo] as f64 * pow2(cache.value_exponent(j, g) as i32)),
+        );
         let amax = pv.iter().fold(0f64, |m, &x| m.max(x));
         if amax == 0.0 {
             continue;
