@@ -57,8 +57,9 @@ pub fn add_interleaved_rows_scalar(acc: &mut [i32], block: &[i8], w: &[u8; BLOCK
 }
 
 /// Where key `j`'s value `d` sits in a block of [`BLOCK_ROWS`] keys stored by quads of values:
-/// per quad (values `4i..4i + 4`), the block's keys in turn, four bytes each. Sixteen consecutive keys' bytes of one quad are then one 64-byte vector, which one
-/// `vpdpbusd` multiplies by the query's four values of that quad.
+/// per quad (values `4i..4i + 4`), the block's keys in turn, four bytes each. Sixteen
+/// consecutive keys' bytes of one quad are then one 64-byte vector, which one `vpdpbusd`
+/// multiplies by the query's four values of that quad.
 #[inline]
 pub fn key_interleaved_at(j: usize, d: usize) -> usize {
     (d / 4 * BLOCK_ROWS + j) * 4 + d % 4

@@ -654,9 +654,10 @@ const SCORE_F64_SPAN: i32 = 15;
 /// One query head at absolute position `pos`: the same values as
 /// [`reference::head_attention`] (property-tested bit for bit), without its per-head
 /// allocations, with each `exp` taken once, the block dot products and value rows in vector
-/// loops ([`int8::interleaved_block_dots`], [`int8::add_interleaved_rows`]), a key's score summed in f64 where
-/// that is exact, and each output's block terms summed once in an i64 where they fit. `simd`:
-/// the per-key f64 loops four keys at a time where the CPU has AVX2 (the same bits).
+/// loops over the cache's blocks ([`int8::interleaved_block_dots`],
+/// [`int8::add_interleaved_rows`]), a key's score summed in f64 where that is exact, and each
+/// output's block terms summed once in an i64 where they fit. `simd`: the per-key f64 loops
+/// four keys at a time where the CPU has AVX2 (the same bits).
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     cache: &LayerCache,
