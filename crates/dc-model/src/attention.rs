@@ -1400,11 +1400,41 @@ mod tests {
     }
 }
 
-/// What the tests of the vector forms of the scores loop share: random scales, a random
-/// case, and a form's result beside the scalar loop's.
+/// What the tests of the vector forms of the scores and probability loops share: random
+/// scales, random cases, and a form's result beside the scalar loop's.
 #[cfg(all(test, target_arch = "x86_64"))]
 mod scores_forms {
-    use super::{pack_scale, scores_of, BlockScale, KeyScales};
+    use super::{pack_scale, scaled_probabilities, scores_of, BlockScale, KeyScales};
+
+    /// A vector form of [`scaled_probabilities`].
+    pub(super) type ScaledForm = unsafe fn(&[f32], &[i16], &mut [f64]) -> f64;
+
+    /// `n` random probabilities in [0, 1] (some exactly 0 or 1; with `tiny`, some about
+    /// 1e-30) and exponents anywhere a cache may hold them, through `form` and through the
+    /// scalar loop: each one's maximum and values, as bits.
+    pub(super) fn scaled_case(form: ScaledForm, n: usize, seed: u64, tiny: bool) -> [Vec<u64>; 2] {
+        let mut next = xorshift(seed);
+        let probabilities: Vec<f32> = (0..n)
+            .map(|_| match next() % 7 {
+                0 => 0.0,
+                1 => 1.0,
+                r if tiny => (r as f32) * 1e-30,
+                _ => (next() >> 40) as f32 / (1u64 << 24) as f32,
+            })
+            .collect();
+        let exponents: Vec<i16> = (0..n).map(|_| (next() % 601) as i16 - 300).collect();
+        let (mut fast, mut slow) = (vec![f64::NAN; n], vec![f64::NAN; n]);
+        // SAFETY: the caller checked that the CPU runs `form`.
+        let a = unsafe { form(&probabilities, &exponents, &mut fast) };
+        let b = scaled_probabilities(&probabilities, &exponents, &mut slow);
+        let bits = |amax: f64, v: &[f64]| {
+            std::iter::once(amax)
+                .chain(v.iter().copied())
+                .map(f64::to_bits)
+                .collect()
+        };
+        [bits(a, &fast), bits(b, &slow)]
+    }
 
     /// A vector form of [`scores_of`].
     pub(super) type Form = unsafe fn(

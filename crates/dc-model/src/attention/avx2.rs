@@ -159,7 +159,7 @@ pub(super) unsafe fn quantized_probabilities(pv: &[f64], inv: f64, m: f64, out: 
 #[cfg(test)]
 mod tests {
     use super::super::pow2 as pow2_scalar;
-    use super::super::scores_forms::{far_apart_terms, random_case, xorshift};
+    use super::super::scores_forms::{far_apart_terms, random_case, scaled_case};
     use super::*;
     use proptest::prelude::*;
 
@@ -183,31 +183,18 @@ mod tests {
         #[test]
         fn probabilities_are_the_scalar_loops_bit_for_bit(n in 0usize..33, seed: u64, tiny: bool) {
             prop_assume!(available());
-            let mut next = xorshift(seed);
-            // Probabilities in [0, 1] (some exactly 0 or 1), exponents as V's can be.
-            let probabilities: Vec<f32> = (0..n)
-                .map(|_| match next() % 7 {
-                    0 => 0.0,
-                    1 => 1.0,
-                    r if tiny => (r as f32) * 1e-30,
-                    _ => (next() >> 40) as f32 / (1u64 << 24) as f32,
-                })
-                .collect();
-            let exponents: Vec<i16> = (0..n).map(|_| (next() % 300) as i16 - 150).collect();
-            let (mut fast, mut slow) = (vec![0f64; n], vec![0f64; n]);
-            // SAFETY: AVX2 was detected.
-            let a = unsafe { scaled_probabilities(&probabilities, &exponents, &mut fast) };
-            let b = super::super::scaled_probabilities(&probabilities, &exponents, &mut slow);
-            prop_assert_eq!(a.to_bits(), b.to_bits());
-            let to_bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            prop_assert_eq!(to_bits(&fast), to_bits(&slow));
-            if b > 0.0 {
-                let s = super::super::scale_for_amax_f64(b);
+            let [fast, slow] = scaled_case(scaled_probabilities, n, seed, tiny);
+            prop_assert_eq!(&fast, &slow);
+            // Then their quantisation, from the scaled values both forms agree on.
+            let (amax, pv) = (f64::from_bits(slow[0]), slow[1..].iter().map(|&b| f64::from_bits(b)));
+            let pv: Vec<f64> = pv.collect();
+            if amax > 0.0 {
+                let s = super::super::scale_for_amax_f64(amax);
                 let (inv, m) = (pow2_scalar(-(s.e as i32)), s.m as f64);
                 let (mut qf, mut qs) = (vec![0i32; n], vec![0i32; n]);
                 // SAFETY: AVX2 was detected.
-                unsafe { quantized_probabilities(&fast, inv, m, &mut qf) };
-                super::super::quantized_probabilities(&slow, inv, m, &mut qs);
+                unsafe { quantized_probabilities(&pv, inv, m, &mut qf) };
+                super::super::quantized_probabilities(&pv, inv, m, &mut qs);
                 prop_assert_eq!(qf, qs);
             }
         }

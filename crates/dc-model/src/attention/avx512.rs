@@ -211,7 +211,7 @@ pub(super) unsafe fn quantized_probabilities(pv: &[f64], inv: f64, m: f64, out: 
 
 #[cfg(test)]
 mod tests {
-    use super::super::scores_forms::{far_apart_terms, random_case, xorshift};
+    use super::super::scores_forms::{far_apart_terms, random_case, scaled_case};
     use super::*;
     use proptest::prelude::*;
 
@@ -242,24 +242,8 @@ mod tests {
         #[test]
         fn scaled_probabilities_are_the_scalar_loop_bit_for_bit(n in 0usize..40, seed: u64, tiny: bool) {
             prop_assume!(available());
-            let mut next = xorshift(seed);
-            // Probabilities in [0, 1] (some exactly 0 or 1), exponents as V's can be.
-            let probabilities: Vec<f32> = (0..n)
-                .map(|_| match next() % 7 {
-                    0 => 0.0,
-                    1 => 1.0,
-                    r if tiny => (r as f32) * 1e-30,
-                    _ => (next() >> 40) as f32 / (1u64 << 24) as f32,
-                })
-                .collect();
-            let exponents: Vec<i16> = (0..n).map(|_| (next() % 600) as i16 - 300).collect();
-            let (mut fast, mut slow) = (vec![f64::NAN; n], vec![f64::NAN; n]);
-            // SAFETY: AVX-512F was detected.
-            let a = unsafe { scaled_probabilities(&probabilities, &exponents, &mut fast) };
-            let b = super::super::scaled_probabilities(&probabilities, &exponents, &mut slow);
-            prop_assert_eq!(a.to_bits(), b.to_bits());
-            let to_bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            prop_assert_eq!(to_bits(&fast), to_bits(&slow));
+            let [fast, slow] = scaled_case(scaled_probabilities, n, seed, tiny);
+            prop_assert_eq!(fast, slow);
         }
 
         #[test]
