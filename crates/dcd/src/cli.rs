@@ -334,7 +334,8 @@ pub struct BenchModelArgs {
     pub commit: bool,
     /// Also measure spot checks on decode hops: what keeping a hop costs the stage, and per
     /// checked layer the stage's reveal, the checker's work and the bytes on the wire; and
-    /// what checks at a rate cost when every hop's parts are drawn as a head draws them.
+    /// what checks at a rate cost when every hop's parts are drawn as a head draws them and
+    /// revealed and checked a batch of hops at a time as a head asks about them.
     #[arg(long)]
     pub spot_check: bool,
     /// The rate `--spot-check` draws parts at (0 to 1, or auto: the rate that meets the

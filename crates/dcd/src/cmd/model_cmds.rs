@@ -238,8 +238,9 @@ struct SpotCosts {
     /// Building one layer's checker (once per head and layer), seconds.
     build: f64,
     /// The policy: every layer's parts drawn at `rate` on every decode hop, as a head draws
-    /// them. Reveals and checks as a share of the committed decode compute, in all; wire
-    /// bytes and picked layers per hop, on average.
+    /// them, revealed and checked a batch of hops at a time as a head asks about them.
+    /// Reveals and checks as a share of the committed decode compute, in all; wire bytes and
+    /// picked layers per hop, on average.
     rate: f64,
     policy_share: f64,
     policy_bytes: f64,
@@ -337,6 +338,8 @@ fn spot_costs(
     }
     drop(prefill_kept);
     let mut window = std::collections::VecDeque::with_capacity(dc_node::stage::KEPT_HOPS);
+    // The policy's drawn hops not yet revealed and checked: a head asks about a batch at once.
+    let mut pending = Vec::with_capacity(dc_node::spot::REVEAL_BATCH);
     for i in 0..decode {
         let pos = prompt.len() + i;
         let x = model.embed(&[(pos % 100) as u32], pos)?;
@@ -370,38 +373,66 @@ fn spot_costs(
         gemm.install(|| c.check_in_place(model, &views, &mut known[l], &r, every))
             .map_err(|e| anyhow::anyhow!("an honest spot check failed: {e}"))?;
         let checked = s.elapsed().as_secs_f64();
-        // The policy on the same hop: each layer's parts drawn as a head draws them, the
-        // stage revealing every pick, then the head checking them all on its engine's threads
-        // (one hand-over to the pool per hop, as a daemon's head does).
+        // The policy, as a head runs it: each layer's parts drawn on every hop as a head
+        // draws them, then every `REVEAL_BATCH` hops the stage revealing the batch's picks in
+        // one go and the head checking them hop by hop, each hop's picks on its engine's
+        // threads (one hand-over to the pool per hop). So the memory each side finds is a
+        // daemon's: the kept hops up to a batch old when revealed, the checks' code warm after
+        // the batch's first hop.
         let picks: Vec<_> = layers
             .clone()
             .map(|l| (l, dc_model::draw_checks(&parts, rate, || coins.unit())))
             .filter(|(_, checks)| !checks.is_empty())
             .collect();
-        let s = Instant::now();
-        let reveals = picks
-            .iter()
-            .map(|&(l, checks)| hop.reveal(l, pos, checks, policy_known[l].len(), &log))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
-        // Picks are of different layers, in layer order: each takes its layer's cache.
-        let mut wanted = picks.iter().zip(&reveals).peekable();
-        let mut jobs = Vec::with_capacity(picks.len());
-        for (l, cache) in policy_known.iter_mut().enumerate() {
-            if let Some((&(_, checks), r)) = wanted.next_if(|((pl, _), _)| *pl == l) {
-                jobs.push((&checkers[l], r, checks, 1, cache));
-            }
-        }
-        let results = gemm.install(|| dc_model::check_picks(model, &views, jobs));
-        for (&(_, checks), done) in picks.iter().zip(results) {
-            done.map_err(|e| anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}"))?;
-        }
-        policy_s += s.elapsed().as_secs_f64();
-        for r in &reveals {
-            policy_bytes += dc_types::encode(r, usize::MAX)?.len() as f64;
-        }
-        policy_layers += picks.len();
         window.push_back(hop);
+        pending.push((pos, picks));
+        if pending.len() == dc_node::spot::REVEAL_BATCH || i + 1 == decode {
+            let s = Instant::now();
+            // Each attention pick asks for the cache rows after those verified before the
+            // batch, or after its layer's earlier pick in the batch (which extends them).
+            let mut verified_to: Vec<usize> = policy_known.iter().map(|c| c.len()).collect();
+            let reveals = pending
+                .iter()
+                .map(|(pos, picks)| {
+                    let hop = &window[window.len() - 1 - (prompt.len() + i - pos)];
+                    picks
+                        .iter()
+                        .map(|&(l, checks)| {
+                            let from = verified_to[l].min(*pos);
+                            if checks.attention() {
+                                verified_to[l] = pos + 1;
+                            }
+                            hop.reveal(l, *pos, checks, from, &log)
+                        })
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+            for ((pos, picks), reveals) in pending.iter().zip(&reveals) {
+                // The hops up to this one (a check takes the last as the hop it checks).
+                let views = &views[..pos - prompt.len() + 2];
+                // Picks are of different layers, in layer order: each takes its layer's cache.
+                let mut wanted = picks.iter().zip(reveals).peekable();
+                let mut jobs = Vec::with_capacity(picks.len());
+                for (l, cache) in policy_known.iter_mut().enumerate() {
+                    if let Some((&(_, checks), r)) = wanted.next_if(|((pl, _), _)| *pl == l) {
+                        jobs.push((&checkers[l], r, checks, 1, cache));
+                    }
+                }
+                let results = gemm.install(|| dc_model::check_picks(model, views, jobs));
+                for (&(_, checks), done) in picks.iter().zip(results) {
+                    done.map_err(|e| {
+                        anyhow::anyhow!("an honest spot check of {checks:?} failed: {e}")
+                    })?;
+                }
+                policy_layers += picks.len();
+            }
+            policy_s += s.elapsed().as_secs_f64();
+            for r in reveals.iter().flatten() {
+                policy_bytes += dc_types::encode(r, usize::MAX)?.len() as f64;
+            }
+            pending.clear();
+        }
         if first {
             first_check.push(checked);
             first_bytes.push(size);
@@ -535,12 +566,13 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             );
             println!(
                 "{} threads {t} spot checks at rate {}: {:.2} layers picked and {:.0} bytes on \
-                 the wire per decode hop; reveals and checks {:.2} % of the committed decode \
-                 compute",
+                 the wire per decode hop; revealed and checked {} hops at a time as a head \
+                 does, reveals and checks {:.2} % of the committed decode compute",
                 kernel.name(),
                 c.rate,
                 c.policy_layers,
                 c.policy_bytes,
+                dc_node::spot::REVEAL_BATCH,
                 100.0 * c.policy_share
             );
             println!(
