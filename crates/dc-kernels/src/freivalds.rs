@@ -90,6 +90,19 @@ fn signed(v: i64) -> u64 {
     }
 }
 
+/// A signed 128-bit integer of magnitude below 2^127 modulo p: folded once in 128 bits
+/// (`2^61 ≡ 1`) to below 2^67, which [`reduce`] takes.
+#[inline]
+fn signed_i128(v: i128) -> u64 {
+    let a = v.unsigned_abs();
+    let m = reduce((a & P as u128) + (a >> 61));
+    if v < 0 && m != 0 {
+        P - m
+    } else {
+        m
+    }
+}
+
 /// `mant · 2^exp` modulo p: [`exact_mod`] of a small value.
 #[inline]
 pub fn small_mod(mant: i64, exp: i32) -> u64 {
@@ -121,8 +134,11 @@ pub fn exact_mod(e: &Exact) -> u64 {
 /// `u = W · r` (one value per position along k, block scales folded in).
 #[derive(Clone, Debug)]
 pub struct FreivaldsKey {
-    r: Vec<u64>,
-    u: Vec<u64>,
+    /// `r`, each value times its column's unit `2^col_units[j]`: a row revealed in units form
+    /// (the sums as the kernels keep them, [`Accumulators::row_as_kept`]) is dotted with these
+    /// as it travelled, none of its values reduced modulo p or shifted by its column's unit
+    /// first.
+    r_units: Vec<u64>,
     /// `u` split as `u_lo + 2^32 · u_hi`, so that a block's `Σ q · u` is two i64 dot products
     /// of int8s by u32s (vectorisable) instead of 32 i128 products.
     u_lo: Vec<u32>,
@@ -155,14 +171,16 @@ impl FreivaldsKey {
                 }
             }
         }
-        let u_lo = u.iter().map(|&v| v as u32).collect();
-        let u_hi = u.iter().map(|&v| (v >> 32) as u32).collect();
+        let col_units = w.col_units();
         FreivaldsKey {
-            r,
-            u,
-            u_lo,
-            u_hi,
-            col_units: w.col_units(),
+            r_units: r
+                .iter()
+                .zip(col_units.iter())
+                .map(|(&rj, &cu)| times_pow2(rj, cu))
+                .collect(),
+            u_lo: u.iter().map(|&v| v as u32).collect(),
+            u_hi: u.iter().map(|&v| (v >> 32) as u32).collect(),
+            col_units,
         }
     }
 
@@ -170,48 +188,77 @@ impl FreivaldsKey {
     /// accumulators ([`Accumulators::col_units`]): what a row revealed in units form is read
     /// with ([`crate::reveal::decode_units_for_check`]).
     pub fn col_units(&self) -> &[i32] {
-        &self.col_units[..self.r.len()]
+        &self.col_units[..self.r_units.len()]
     }
 
     /// Checks row `row` of `acc` (the claimed exact accumulators of `x · W`).
     pub fn check_row(&self, x: &QuantizedRows, row: usize, acc: &Accumulators) -> bool {
-        let mut lhs = 0u64;
-        for (j, &rj) in self.r.iter().enumerate() {
-            lhs = add(lhs, mul(exact_mod(&acc.get(row, j)), rj));
-        }
-        lhs == self.input_side(x, row)
+        let residues: Vec<u64> = (0..acc.cols).map(|j| exact_mod(&acc.get(row, j))).collect();
+        self.check_residues(x, row, &residues)
     }
 
     /// Checks claimed exact values of row `row` of `x · W` (a row revealed by a stage).
     pub fn check_values(&self, x: &QuantizedRows, row: usize, values: &[Exact]) -> bool {
-        if values.len() != self.r.len() || row >= x.rows() || x.blocks() * BLOCK != self.u.len() {
-            return false;
-        }
-        self.output_side(values.iter().map(exact_mod)) == self.input_side(x, row)
+        let residues: Vec<u64> = values.iter().map(exact_mod).collect();
+        self.check_residues(x, row, &residues)
     }
 
-    /// [`Self::check_values`] with the values already reduced modulo p ([`exact_mod`]): what a
-    /// checker decoding a revealed row in one pass hands over.
+    /// [`Self::check_values`] with the values already reduced modulo p ([`exact_mod`]).
     pub fn check_residues(&self, x: &QuantizedRows, row: usize, residues: &[u64]) -> bool {
-        if residues.len() != self.r.len() || row >= x.rows() || x.blocks() * BLOCK != self.u.len() {
-            return false;
-        }
-        self.output_side(residues.iter().copied()) == self.input_side(x, row)
+        self.output_side_of_residues(residues)
+            .is_some_and(|side| self.holds(x, row, side))
     }
 
-    /// `C_row · r` from the row's values modulo p, in order.
-    fn output_side(&self, residues: impl Iterator<Item = u64>) -> u64 {
-        // Products are below 2^122; `reduce` takes sums below 2^125, so 8 at a time.
-        let mut lhs = 0u64;
-        let mut sum = 0u128;
-        for (i, (v, &rj)) in residues.zip(&self.r).enumerate() {
-            sum += v as u128 * rj as u128;
-            if i % 8 == 7 {
-                lhs = add(lhs, reduce(sum));
-                sum = 0;
-            }
+    /// Whether `output_side`, the `C_row · r` of a claimed row of `x · W` (from
+    /// [`Self::output_side_of_units`] or [`Self::output_side_of_residues`]), is `x_row · (W ·
+    /// r)`: Freivalds' test of the row.
+    pub fn holds(&self, x: &QuantizedRows, row: usize, output_side: u64) -> bool {
+        row < x.rows()
+            && x.blocks() * BLOCK == self.u_lo.len()
+            && output_side == self.input_side(x, row)
+    }
+
+    /// `C_row · r` from the row's values modulo p, in order; none unless there is one per
+    /// column. The rare row revealed in the canonical encoding comes this way.
+    pub fn output_side_of_residues(&self, residues: &[u64]) -> Option<u64> {
+        if residues.len() != self.r_units.len() {
+            return None;
         }
-        add(lhs, reduce(sum))
+        // `r` is `r_units` shifted back by each column's unit. Products are below 2^122;
+        // `reduce` takes sums below 2^125, so 8 at a time.
+        let mut lhs = 0u64;
+        let units = self.col_units.chunks(8);
+        for ((v8, r8), cu8) in residues.chunks(8).zip(self.r_units.chunks(8)).zip(units) {
+            let mut sum = 0u128;
+            for ((&v, &ru), &cu) in v8.iter().zip(r8).zip(cu8) {
+                sum += v as u128 * times_pow2(ru, -cu) as u128;
+            }
+            lhs = add(lhs, reduce(sum));
+        }
+        Some(lhs)
+    }
+
+    /// `C_row · r` of a row revealed in units form: `sums` holding one little-endian `i64` per
+    /// column, each value `sums_j · 2^(unit + col_units[j])` (none unless there is one per
+    /// column). `Σ_j sums_j · 2^(unit + cu_j) · r_j = 2^unit · Σ_j sums_j · r_units_j`: the
+    /// sums enter as they are, so a decoder need not reduce them. The caller refuses the wide
+    /// marker `i64::MIN` (it stands for no value); here it would count as −2^63.
+    pub fn output_side_of_units(&self, unit: i32, sums: &[u8]) -> Option<u64> {
+        if sums.len() != self.r_units.len() * 8 {
+            return None;
+        }
+        let mut lhs = 0u64;
+        for (m8, r8) in sums.chunks(64).zip(self.r_units.chunks(8)) {
+            // |sum · r_units| < 2^63 · 2^61, so eight of them stay below 2^127 in an i128.
+            let mut acc = 0i128;
+            for (b, &ru) in m8.chunks_exact(8).zip(r8) {
+                let m = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+                // Both sign-extended from 64 bits (`ru < p < 2^63`): one 64 × 64 → 128 multiply.
+                acc += m as i128 * (ru as i64) as i128;
+            }
+            lhs = add(lhs, signed_i128(acc));
+        }
+        Some(times_pow2(lhs, unit))
     }
 
     /// `x_row · (W · r)`.
@@ -243,8 +290,9 @@ impl FreivaldsKey {
             let dot: i128 = x
                 .block(row, b)
                 .iter()
-                .zip(&self.u[b * BLOCK..(b + 1) * BLOCK])
-                .map(|(&q, &u)| q as i128 * u as i128)
+                .zip(&self.u_lo[b * BLOCK..(b + 1) * BLOCK])
+                .zip(&self.u_hi[b * BLOCK..(b + 1) * BLOCK])
+                .map(|((&q, &lo), &hi)| q as i128 * (lo as u64 | (hi as u64) << 32) as i128)
                 .sum();
             let scale = times_pow2(s.m as u64, s.e as i32);
             rhs = add(rhs, mul(signed_wide(dot), scale));
@@ -254,12 +302,12 @@ impl FreivaldsKey {
 
     /// Output columns the key checks.
     pub fn cols(&self) -> usize {
-        self.r.len()
+        self.r_units.len()
     }
 
     /// Checks every row; returns the first failing one.
     pub fn check(&self, x: &QuantizedRows, acc: &Accumulators) -> Result<(), usize> {
-        if acc.rows != x.rows() || acc.cols != self.r.len() {
+        if acc.rows != x.rows() || acc.cols != self.r_units.len() {
             return Err(0);
         }
         match (0..x.rows()).find(|&i| !self.check_row(x, i, acc)) {
@@ -331,6 +379,49 @@ mod tests {
     }
 
     #[test]
+    fn a_units_rows_side_is_its_residues_side() {
+        let mut rng = crate::rng::SplitMix64::new(8);
+        for case in 0..400 {
+            let n = 1 + case % 37;
+            // `r` below p, at its edges and at random; column units of either sign.
+            let key = FreivaldsKey {
+                r_units: (0..n)
+                    .map(|_| match rng.next_u64() % 4 {
+                        0 => [0, 1, P - 1][(rng.next_u64() % 3) as usize],
+                        _ => rng.next_u64() % P,
+                    })
+                    .collect(),
+                u_lo: Vec::new(),
+                u_hi: Vec::new(),
+                col_units: (0..n)
+                    .map(|_| (rng.next_u64() % 400) as i32 - 200)
+                    .collect(),
+            };
+            // Sums at the edges of an i64 (the eight-term blocks' bound) and at random.
+            let sums: Vec<i64> = (0..n)
+                .map(|_| match rng.next_u64() % 4 {
+                    0 => [i64::MAX, i64::MIN + 1, -1, 0][(rng.next_u64() % 4) as usize],
+                    _ => rng.next_u64() as i64,
+                })
+                .collect();
+            let unit = (rng.next_u64() % 200) as i32 - 100;
+            let residues: Vec<u64> = sums
+                .iter()
+                .zip(key.col_units.iter())
+                .map(|(&m, &cu)| small_mod(m, unit + cu))
+                .collect();
+            let bytes: Vec<u8> = sums.iter().flat_map(|m| m.to_le_bytes()).collect();
+            assert_eq!(
+                key.output_side_of_units(unit, &bytes),
+                key.output_side_of_residues(&residues),
+                "case {case}"
+            );
+        }
+        assert_eq!(signed_i128(i128::MIN + 1), signed_wide(i128::MIN + 1));
+        assert_eq!(signed_i128(i128::MAX), signed_wide(i128::MAX));
+    }
+
+    #[test]
     fn the_input_side_in_halves_is_its_definition() {
         use crate::quant::BlockScale;
         let mut rng = crate::rng::SplitMix64::new(5);
@@ -346,10 +437,9 @@ mod tests {
                 })
                 .collect();
             let key = FreivaldsKey {
-                r: vec![1],
+                r_units: vec![1],
                 u_lo: u.iter().map(|&v| v as u32).collect(),
                 u_hi: u.iter().map(|&v| (v >> 32) as u32).collect(),
-                u,
                 col_units: vec![0].into(),
             };
             let q: Vec<i8> = (0..rows * k)

@@ -29,6 +29,24 @@ proptest! {
         let residues: Vec<u64> = values.iter().map(dc_kernels::freivalds::exact_mod).collect();
         prop_assert!(key.check_values(&x, row, &values));
         prop_assert!(key.check_residues(&x, row, &residues));
+        // A row in units form (as a stage reveals it) enters the test as it travelled: the
+        // same side as its residues', and it holds.
+        let side = key.output_side_of_residues(&residues).unwrap();
+        if let (Some(unit), sums) = dc_kernels::reveal::row_for_reveal(&acc, row) {
+            prop_assert_eq!(key.output_side_of_units(unit, &sums), Some(side));
+            prop_assert!(key.holds(&x, row, side));
+            prop_assert_eq!(key.output_side_of_units(unit, &sums[8..]), None);
+            // Any sum changed by any amount: its side differs, and the test fails.
+            let mut lie = sums.clone();
+            let at = 8 * (which % n);
+            let sum = i64::from_le_bytes(lie[at..at + 8].try_into().unwrap());
+            lie[at..at + 8].copy_from_slice(&sum.wrapping_add(delta).to_le_bytes());
+            let lied = key.output_side_of_units(unit, &lie).unwrap();
+            prop_assert!(!key.holds(&x, row, lied));
+            // As is the unit.
+            let shifted = key.output_side_of_units(unit + 1, &sums).unwrap();
+            prop_assert!(side == 0 || !key.holds(&x, row, shifted));
+        }
         // Change one accumulator by any amount: caught.
         let mut bad = acc.clone();
         let i = which % (m * n);

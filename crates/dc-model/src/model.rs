@@ -208,6 +208,20 @@ pub(crate) trait Products {
     fn more(&self) -> bool {
         true
     }
+    /// What `quantized(point, …)` would hand on, `rows × k`, when it is certain before the
+    /// glue derives anything there: a check that tests nothing from the block's start (for
+    /// `Point::Context`) or from the MLP's input (for `Point::Hidden`) up to `point` takes the
+    /// committed rows, or a stand-in nothing tested reads. The glue then skips deriving them:
+    /// on a check of the down projection alone, the MLP's activation of stand-in first
+    /// products was a quarter of the work. A stage always derives.
+    fn instead_of_deriving(
+        &mut self,
+        _point: Point,
+        _rows: usize,
+        _k: usize,
+    ) -> Option<QuantizedRows> {
+        None
+    }
 }
 
 /// A block's parameters outside its products: the norms and the MLP's kind.
@@ -795,35 +809,54 @@ impl Model {
                 e => e,
             })
         };
+        // What deriving refuses, refused where a check skips it: a row that is not finite.
+        let finite = |x: &Activations, what: &str| match x.data.iter().position(|v| !v.is_finite())
+        {
+            Some(at) => Err(KernelError::NonFinite {
+                tensor: format!("layer {i} {what}"),
+                row: at / cfg.hidden_size,
+                col: at % cfg.hidden_size,
+                value: x.data[at],
+            }),
+            None => Ok(()),
+        };
         // Attention.
-        let h1 = self.norm(glue.attn_norm, &x.data);
-        let qx = quantize(&h1, cfg.hidden_size, "attention input")?;
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        products.linear(Point::Q, &qx, &mut q)?;
-        products.linear(Point::K, &qx, &mut k)?;
-        products.linear(Point::V, &qx, &mut v)?;
-        if !products.more() {
-            return Ok(None);
-        }
-        if let Some(rope) = &self.rope {
-            let hd = cfg.head_dim;
-            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
-                for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
-                }
+        let qc = match products.instead_of_deriving(Point::Context, rows, cfg.q_width()) {
+            Some(qc) => {
+                finite(&x, "attention input")?;
+                qc
             }
-            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
-                for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
+            None => {
+                let h1 = self.norm(glue.attn_norm, &x.data);
+                let qx = quantize(&h1, cfg.hidden_size, "attention input")?;
+                let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+                products.linear(Point::Q, &qx, &mut q)?;
+                products.linear(Point::K, &qx, &mut k)?;
+                products.linear(Point::V, &qx, &mut v)?;
+                if !products.more() {
+                    return Ok(None);
                 }
+                if let Some(rope) = &self.rope {
+                    let hd = cfg.head_dim;
+                    for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
+                        for head in row.chunks_exact_mut(hd) {
+                            rope.apply(head, start + t);
+                        }
+                    }
+                    for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
+                        for head in row.chunks_exact_mut(hd) {
+                            rope.apply(head, start + t);
+                        }
+                    }
+                }
+                let ctx = products.attention(&q, &k, &v, start)?;
+                if !products.more() {
+                    return Ok(None);
+                }
+                let qc = quantize(&ctx, cfg.q_width(), "attention context")?;
+                products.quantized(Point::Context, qc)?
             }
-        }
-        let ctx = products.attention(&q, &k, &v, start)?;
-        if !products.more() {
-            return Ok(None);
-        }
-        let qc = quantize(&ctx, cfg.q_width(), "attention context")?;
-        let qc = products.quantized(Point::Context, qc)?;
+        };
         if !products.more() {
             return Ok(None);
         }
@@ -837,32 +870,40 @@ impl Model {
             *a += b;
         }
         // MLP.
-        let h2 = self.norm(glue.mlp_norm, &x.data);
-        let qh = quantize(&h2, cfg.hidden_size, "mlp input")?;
-        let mut y = Vec::new();
-        let mut a = Vec::new();
-        if glue.gelu {
-            products.linear(Point::Fc, &qh, &mut a)?;
-            if !products.more() {
-                return Ok(None);
+        let qa = match products.instead_of_deriving(Point::Hidden, rows, cfg.intermediate_size) {
+            Some(qa) => {
+                finite(&x, "mlp input")?;
+                qa
             }
-            for v in a.iter_mut() {
-                *v = gelu_tanh(*v);
+            None => {
+                let h2 = self.norm(glue.mlp_norm, &x.data);
+                let qh = quantize(&h2, cfg.hidden_size, "mlp input")?;
+                let mut a = Vec::new();
+                if glue.gelu {
+                    products.linear(Point::Fc, &qh, &mut a)?;
+                    if !products.more() {
+                        return Ok(None);
+                    }
+                    for v in a.iter_mut() {
+                        *v = gelu_tanh(*v);
+                    }
+                } else {
+                    let mut u = Vec::new();
+                    products.linear(Point::Gate, &qh, &mut a)?;
+                    products.linear(Point::Up, &qh, &mut u)?;
+                    if !products.more() {
+                        return Ok(None);
+                    }
+                    silu_mul(&mut a, &u);
+                }
+                let qa = quantize(&a, cfg.intermediate_size, "mlp hidden")?;
+                products.quantized(Point::Hidden, qa)?
             }
-        } else {
-            let mut u = Vec::new();
-            products.linear(Point::Gate, &qh, &mut a)?;
-            products.linear(Point::Up, &qh, &mut u)?;
-            if !products.more() {
-                return Ok(None);
-            }
-            silu_mul(&mut a, &u);
-        }
-        let qa = quantize(&a, cfg.intermediate_size, "mlp hidden")?;
-        let qa = products.quantized(Point::Hidden, qa)?;
+        };
         if !products.more() {
             return Ok(None);
         }
+        let mut y = Vec::new();
         products.linear(Point::Down, &qa, &mut y)?;
         for (a, b) in x.data.iter_mut().zip(&y) {
             *a += b;

@@ -18,9 +18,9 @@ use dc_kernels::commit::{
 };
 use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::reveal::{
-    decode_for_check, decode_units_for_check, row_for_reveal, CheckedRow, Decode, Opening,
+    decode_for_check, decode_units_for_check, row_for_reveal, Decode, Opening,
 };
-use dc_kernels::{Accumulators, Commitment, Domain, QuantizedRows};
+use dc_kernels::{Accumulators, BlockScale, Commitment, Domain, QuantizedRows, BLOCK};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 
 use crate::attention::{attend, cache_row_leaf, queue_cache_rows, AttentionShape, LayerCache};
@@ -905,13 +905,9 @@ impl LayerChecker {
                 return Err(opens());
             }
             // Every opened row's rounded values (its leaf hashes them, and the glue computes
-            // on them), and a tested product's residues (Freivalds).
-            let want = Decode {
-                residues: checks.contains(e.point),
-                rounded: true,
-            };
+            // on them), and a tested product's side of Freivalds' test.
             let key = key.ok_or_else(|| format!("layer {l}: {:?} is not a product", e.point))?;
-            let decoded = decode_product_row(row, key, want)
+            let (rounded, output_side) = decode_product_row(row, key, checks.contains(e.point))
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             hashes.push(
                 Message::ProductRow(values.len()),
@@ -919,8 +915,8 @@ impl LayerChecker {
             );
             values.push(RevealedValues {
                 point: e.point,
-                rounded: decoded.rounded,
-                residues: decoded.residues,
+                rounded,
+                output_side,
             });
         }
         // Every row opened above, and the first row's revealed activations, open their
@@ -933,22 +929,18 @@ impl LayerChecker {
                 continue;
             }
             let row = the_row(point)?;
-            let want = Decode {
-                residues: tests.contains(point),
-                rounded: true,
-            };
             if row.cols as usize != key.cols() {
                 return Err(format!(
                     "layer {l}: the {point:?} row has {} values",
                     row.cols
                 ));
             }
-            let decoded = decode_product_row(row, key, want)
+            let (rounded, output_side) = decode_product_row(row, key, tests.contains(point))
                 .map_err(|why| format!("layer {l}: the {point:?} row: {why}"))?;
             values.push(RevealedValues {
                 point,
-                rounded: decoded.rounded,
-                residues: decoded.residues,
+                rounded,
+                output_side,
             });
         }
         // Every row the checks need that the layer has was committed and revealed.
@@ -1075,15 +1067,47 @@ impl LayerChecker {
 }
 
 /// A revealed weight product's row decoded for a check, in whichever form it travelled
-/// ([`row_for_reveal`]): in units form read with the checker's own column units.
+/// ([`row_for_reveal`]; in units form read with the checker's own column units): its values
+/// rounded to f32, and when `tested` its side of Freivalds' test, `C_row · r`.
 fn decode_product_row(
     row: &RevealedRow,
     key: &FreivaldsKey,
-    want: Decode,
-) -> std::result::Result<CheckedRow, String> {
+    tested: bool,
+) -> std::result::Result<(Vec<f32>, Option<u64>), String> {
     match row.unit {
-        Some(unit) => decode_units_for_check(unit, &row.encoding, key.col_units(), want),
-        None => decode_for_check(&row.encoding, key.cols(), want),
+        Some(unit) => {
+            // The sums enter Freivalds' test as they travelled (the key holds `r` in the
+            // columns' units): only their roundings are decoded, which also refuses a row
+            // that is not one usual sum per column.
+            let only_rounded = Decode {
+                residues: false,
+                rounded: true,
+            };
+            let d = decode_units_for_check(unit, &row.encoding, key.col_units(), only_rounded)?;
+            let side = match tested {
+                true => Some(
+                    key.output_side_of_units(unit, &row.encoding)
+                        .ok_or("not one sum per column")?,
+                ),
+                false => None,
+            };
+            Ok((d.rounded, side))
+        }
+        None => {
+            let want = Decode {
+                residues: tested,
+                rounded: true,
+            };
+            let d = decode_for_check(&row.encoding, key.cols(), want)?;
+            let side = match tested {
+                true => Some(
+                    key.output_side_of_residues(&d.residues)
+                        .ok_or("not one value per column")?,
+                ),
+                false => None,
+            };
+            Ok((d.rounded, side))
+        }
     }
 }
 
@@ -1352,12 +1376,13 @@ enum CommittedRow<'a> {
 }
 
 /// A revealed row of a product the check needs, opened against the commitment: its values
-/// rounded as the stage's epilogue rounded them and, when the product is tested, its exact
-/// values modulo p.
+/// rounded as the stage's epilogue rounded them and, when the product is tested, its side of
+/// Freivalds' test.
 struct RevealedValues {
     point: Point,
     rounded: Vec<f32>,
-    residues: Vec<u64>,
+    /// `C_row · r`, computed from the exact values as they travelled.
+    output_side: Option<u64>,
 }
 
 impl Revealed<'_, '_> {
@@ -1390,7 +1415,8 @@ impl Products for Revealed<'_, '_> {
             out.resize(key.cols(), 0.0);
             return Ok(());
         };
-        if self.tests.contains(point) && !key.check_residues(x, 0, &row.residues) {
+        let holds = |side: Option<u64>| side.is_some_and(|side| key.holds(x, 0, side));
+        if self.tests.contains(point) && !holds(row.output_side) {
             return Err(ModelError::Input(format!(
                 "layer {layer}: the {point:?} row is not its input times the weights \
                  (Freivalds' test)"
@@ -1445,6 +1471,41 @@ impl Products for Revealed<'_, '_> {
     fn more(&self) -> bool {
         // The output is tested after the block, so a check drawing it never stops early.
         !self.tests.difference(self.tested).is_empty()
+    }
+
+    fn instead_of_deriving(
+        &mut self,
+        point: Point,
+        rows: usize,
+        k: usize,
+    ) -> Option<QuantizedRows> {
+        use Point::*;
+        let (derives, row) = match point {
+            Context => (
+                CheckSet::of(&[Q, K, V, KvCache, Scores, Context]),
+                &mut self.context,
+            ),
+            _ => (CheckSet::of(&[Gate, Up, Fc, Hidden]), &mut self.hidden),
+        };
+        if !self.tests.intersection(derives).is_empty() {
+            return None;
+        }
+        match row.take() {
+            // Nothing derived here is tested: the committed rows go to the next product.
+            Some(CommittedRow::Revealed(committed)) => Some(committed),
+            // Nor does anything tested read them (the next product is not tested): a stand-in.
+            None => {
+                let blocks = rows * k.div_ceil(BLOCK);
+                let zeros = vec![0; blocks * BLOCK];
+                let scales = vec![BlockScale::for_amax(0.0); blocks];
+                Some(QuantizedRows::from_parts(rows, k, zeros, scales))
+            }
+            // An opening is there only to test what the glue derives.
+            opening => {
+                *row = opening;
+                None
+            }
+        }
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {

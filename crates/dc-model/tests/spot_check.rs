@@ -831,6 +831,24 @@ fn a_lie_in_any_part_is_caught_by_a_check_of_that_part_alone() {
             .check(&model, &view, &empty(&model), &r, checks)
             .unwrap_err();
         assert!(err.contains("hidden row"), "{name}: {err}");
+        // A layer input that is not finite, committed consistently, is refused by a check of
+        // the output alone, which derives nothing from it before adding the products' rows
+        // (the committed context and hidden rows stand in): the stage itself would have
+        // refused to run it.
+        let checks = CheckSet::of(&[Point::Output]);
+        let mut r = kept.reveal(c.layer(), pos, checks, 0, &log).unwrap();
+        let mut t = trace.clone();
+        r.input.data[3] = f32::INFINITY;
+        let input = Activations {
+            start: pos,
+            hidden: model.config.hidden_size,
+            data: r.input.data.clone(),
+        };
+        set(&mut t, c.layer(), Point::Input, input.commitment());
+        let mut v = view.clone();
+        v[1].0 = &t;
+        let err = c.check(&model, &v, &empty(&model), &r, checks).unwrap_err();
+        assert!(err.contains("non-finite"), "{name}: {err}");
         // The glue between the MLP's first products and the down projection: a stage that
         // computes them right but commits (and computes the down projection on) another hidden
         // row is caught by a check of any first product alone. Likewise k and v and the cache
