@@ -321,10 +321,16 @@ unsafe fn store_sums(slots: *mut i64, acc: [__m256i; 4]) {
         );
         let first = _mm256_permute2x128_si256::<0x20>(p01_45, p23_67);
         let second = _mm256_permute2x128_si256::<0x31>(p01_45, p23_67);
-        // SAFETY: per the contract, slots[0..16] are ours; each store writes four.
-        unsafe {
-            _mm256_storeu_si256(slots.add(8 * h) as *mut __m256i, first);
-            _mm256_storeu_si256(slots.add(8 * h + 4) as *mut __m256i, second);
+        // Non-temporal: the sums are read, if ever, hops later, long after the weights
+        // streaming through have evicted them, and the pool's buffers they land in have gone
+        // cold; an ordinary store first reads each line in. (`movnti` takes any 8-byte
+        // aligned address; the buffers are `Vec<i64>`s. [`Kernel::run`] fences them.)
+        let lanes: [[i64; 4]; 2] = unsafe { std::mem::transmute([first, second]) };
+        for (q, four) in lanes.iter().enumerate() {
+            for (i, &v) in four.iter().enumerate() {
+                // SAFETY: per the contract, slots[0..16] are ours.
+                unsafe { _mm_stream_si64(slots.add(8 * h + 4 * q + i), v) };
+            }
         }
     }
 }

@@ -106,7 +106,7 @@ impl Kernel {
         panels: Range<usize>,
         sink: &Sink,
     ) -> Result<()> {
-        match self {
+        let done = match self {
             Kernel::Scalar => reference::run(x, w, panels, sink),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => avx2::run(x, w, panels, sink),
@@ -114,7 +114,15 @@ impl Kernel {
             Kernel::Avx512 => avx512::run(x, w, panels, sink),
             #[cfg(not(target_arch = "x86_64"))]
             _ => Err(KernelError::Unsupported(self.name())),
+        };
+        // The fast kernels store the exact sums non-temporally, which is weakly ordered: fenced
+        // here, on the thread that stored them, before its task is seen as done.
+        #[cfg(target_arch = "x86_64")]
+        if sink.wants_slots() {
+            // SAFETY: SSE is part of x86_64.
+            unsafe { std::arch::x86_64::_mm_sfence() };
         }
+        done
     }
 }
 
