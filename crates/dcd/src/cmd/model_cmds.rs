@@ -343,20 +343,36 @@ fn spot_costs(
     for i in 0..decode {
         let pos = prompt.len() + i;
         let x = model.embed(&[(pos % 100) as u32], pos)?;
-        let mut t = HopTrace::from_position(pos);
-        let s = Instant::now();
-        model.run_layers_traced(gemm, x.clone(), &mut caches[0], Some(&mut t))?;
-        committed.push(s.elapsed().as_secs_f64());
-        let mut t = HopTrace::from_position(pos);
-        let s = Instant::now();
-        let (_, hop) = model.run_layers_kept(gemm, x, &mut caches[1], &mut t)?;
-        log.record(&caches[1]);
-        // As a stage keeps them: its last hops, the oldest dropped as a new one comes (freeing
-        // memory long gone cold, part of what keeping costs).
-        if window.len() == dc_node::stage::KEPT_HOPS {
-            window.pop_front();
-        }
-        kept.push(s.elapsed().as_secs_f64());
+        let [plain_cache, kept_cache] = &mut caches;
+        let mut run_committed = || -> Result<f64> {
+            let mut t = HopTrace::from_position(pos);
+            let s = Instant::now();
+            model.run_layers_traced(gemm, x.clone(), plain_cache, Some(&mut t))?;
+            Ok(s.elapsed().as_secs_f64())
+        };
+        let mut run_kept = || -> Result<_> {
+            let mut t = HopTrace::from_position(pos);
+            let s = Instant::now();
+            let (_, hop) = model.run_layers_kept(gemm, x.clone(), kept_cache, &mut t)?;
+            log.record(kept_cache);
+            // As a stage keeps them: its last hops, the oldest dropped as a new one comes
+            // (freeing memory long gone cold, part of what keeping costs).
+            if window.len() == dc_node::stage::KEPT_HOPS {
+                window.pop_front();
+            }
+            Ok((s.elapsed().as_secs_f64(), t, hop))
+        };
+        // The two take turns going first, so that neither always finds the memory the other
+        // (or the checks) left.
+        let (plain_s, (kept_s, t, hop)) = match i % 2 {
+            0 => (run_committed()?, run_kept()?),
+            _ => {
+                let k = run_kept()?;
+                (run_committed()?, k)
+            }
+        };
+        committed.push(plain_s);
+        kept.push(kept_s);
         hops.push((t, 1));
         // SPOT_GAP layers spread over the model take turns (every layer, if it has fewer).
         let l = (i % gap) * n / gap;
