@@ -1074,7 +1074,7 @@ fn decode_product_row(
     key: &FreivaldsKey,
     tested: bool,
 ) -> std::result::Result<(Vec<f32>, Option<u64>), String> {
-    match row.unit {
+    let (decoded, side) = match row.unit {
         Some(unit) => {
             // The sums enter Freivalds' test as they travelled (the key holds `r` in the
             // columns' units): only their roundings are decoded, which also refuses a row
@@ -1084,14 +1084,8 @@ fn decode_product_row(
                 rounded: true,
             };
             let d = decode_units_for_check(unit, &row.encoding, key.col_units(), only_rounded)?;
-            let side = match tested {
-                true => Some(
-                    key.output_side_of_units(unit, &row.encoding)
-                        .ok_or("not one sum per column")?,
-                ),
-                false => None,
-            };
-            Ok((d.rounded, side))
+            let side = tested.then(|| key.output_side_of_units(unit, &row.encoding));
+            (d, side)
         }
         None => {
             let want = Decode {
@@ -1099,16 +1093,14 @@ fn decode_product_row(
                 rounded: true,
             };
             let d = decode_for_check(&row.encoding, key.cols(), want)?;
-            let side = match tested {
-                true => Some(
-                    key.output_side_of_residues(&d.residues)
-                        .ok_or("not one value per column")?,
-                ),
-                false => None,
-            };
-            Ok((d.rounded, side))
+            let side = tested.then(|| key.output_side_of_residues(&d.residues));
+            (d, side)
         }
-    }
+    };
+    let side = side
+        .map(|s| s.ok_or("not one value per column"))
+        .transpose()?;
+    Ok((decoded.rounded, side))
 }
 
 /// The hashes a check takes of what was revealed (the activations entering and leaving the

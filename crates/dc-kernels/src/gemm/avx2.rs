@@ -325,6 +325,7 @@ unsafe fn store_sums(slots: *mut i64, acc: [__m256i; 4]) {
         // streaming through have evicted them, and the pool's buffers they land in have gone
         // cold; an ordinary store first reads each line in. (`movnti` takes any 8-byte
         // aligned address; the buffers are `Vec<i64>`s. [`Kernel::run`] fences them.)
+        // SAFETY: two 256-bit vectors are eight i64s, any bits a valid i64.
         let lanes: [[i64; 4]; 2] = unsafe { std::mem::transmute([first, second]) };
         for (q, four) in lanes.iter().enumerate() {
             for (i, &v) in four.iter().enumerate() {
