@@ -48,4 +48,12 @@ fn the_spot_check_bench_checks_every_drawn_hop_in_batches_and_every_check_passes
     assert_eq!(spot["rate_layers_per_hop"].as_f64(), Some(4.0), "{v}");
     assert!(spot["rate_bytes_per_hop"].as_f64() > Some(0.0), "{v}");
     assert!(spot["rate_share_of_decode"].as_f64() > Some(0.0), "{v}");
+    // The stage's reveals are part of the policy's time, never all of it (the checks run too).
+    let reveals = spot["rate_reveal_share_of_decode"]
+        .as_f64()
+        .expect("a reveal share");
+    assert!(
+        reveals > 0.0 && Some(reveals) < spot["rate_share_of_decode"].as_f64(),
+        "{v}"
+    );
 }

@@ -243,6 +243,8 @@ struct SpotCosts {
     /// picked layers per hop, on average.
     rate: f64,
     policy_share: f64,
+    /// Of `policy_share`, the stage's reveals (the rest is the head's checks).
+    policy_reveal_share: f64,
     policy_bytes: f64,
     policy_layers: f64,
     /// The policy on the prompt's prefill hop: each picked layer's drawn parts checked at
@@ -269,6 +271,7 @@ fn spot_costs(
     let every = dc_types::CheckSet::of(&parts);
     let mut coins = dc_kernels::rng::SplitMix64::new(7);
     let (mut policy_s, mut policy_bytes, mut policy_layers) = (0.0, 0.0, 0usize);
+    let mut policy_reveal_s = 0.0;
     let layers = 0..n;
     let s = Instant::now();
     let checkers = layers
@@ -424,6 +427,7 @@ fn spot_costs(
                 })
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| anyhow::anyhow!("reveal: {e}"))?;
+            policy_reveal_s += s.elapsed().as_secs_f64();
             for ((pos, picks), reveals) in pending.iter().zip(&reveals) {
                 // The hops up to this one (a check takes the last as the hop it checks).
                 let views = &views[..pos - prompt.len() + 2];
@@ -466,6 +470,7 @@ fn spot_costs(
     Ok(SpotCosts {
         rate,
         policy_share: policy_s / committed_s,
+        policy_reveal_share: policy_reveal_s / committed_s,
         prefill_share: prefill_check_s / prefill_s,
         prefill_bytes,
         prefill_layers,
@@ -583,13 +588,16 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
             println!(
                 "{} threads {t} spot checks at rate {}: {:.2} layers picked and {:.0} bytes on \
                  the wire per decode hop; revealed and checked {} hops at a time as a head \
-                 does, reveals and checks {:.2} % of the committed decode compute",
+                 does, reveals and checks {:.2} % of the committed decode compute (the \
+                 stage's reveals {:.2} %, the head's checks {:.2} %)",
                 kernel.name(),
                 c.rate,
                 c.policy_layers,
                 c.policy_bytes,
                 dc_node::spot::REVEAL_BATCH,
-                100.0 * c.policy_share
+                100.0 * c.policy_share,
+                100.0 * c.policy_reveal_share,
+                100.0 * (c.policy_share - c.policy_reveal_share)
             );
             println!(
                 "{} threads {t} spot checks at rate {} of the {}-row prefill hop: {} layers \
@@ -625,6 +633,7 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 "bytes_per_layer": c.bytes, "checker_build_s": c.build,
                 "first_check_s": c.first_check, "first_bytes": c.first_bytes,
                 "rate": c.rate, "rate_share_of_decode": c.policy_share,
+                "rate_reveal_share_of_decode": c.policy_reveal_share,
                 "rate_bytes_per_hop": c.policy_bytes, "rate_layers_per_hop": c.policy_layers,
                 "rate_prefill_share": c.prefill_share, "rate_prefill_bytes": c.prefill_bytes,
                 "rate_prefill_layers": c.prefill_layers,
