@@ -174,7 +174,10 @@ mod tests {
         #[test]
         fn scores_are_the_scalar_loop_bit_for_bit(hb in 1usize..5, n in 0usize..40,
                                                   pad in 0usize..3, wide: bool, seed: u64) {
-            prop_assume!(available());
+            // A CPU without the instructions has nothing to compare (not a rejected case).
+            if !available() {
+                return Ok(());
+            }
             let forms = [scores::<1>, scores::<2>, scores::<3>, scores::<4>];
             let [fast, slow] = random_case(forms, hb, n, pad, wide, seed);
             prop_assert_eq!(fast, slow);
@@ -182,7 +185,10 @@ mod tests {
 
         #[test]
         fn probabilities_are_the_scalar_loops_bit_for_bit(n in 0usize..33, seed: u64, tiny: bool) {
-            prop_assume!(available());
+            // A CPU without the instructions has nothing to compare (not a rejected case).
+            if !available() {
+                return Ok(());
+            }
             let [fast, slow] = scaled_case(scaled_probabilities, n, seed, tiny);
             prop_assert_eq!(&fast, &slow);
             // Then their quantisation, from the scaled values both forms agree on.

@@ -230,7 +230,10 @@ mod tests {
             e in -40i32..40,
             m in 128u8..=255,
         ) {
-            prop_assume!(available());
+            // A CPU without the instructions has nothing to compare (not a rejected case).
+            if !available() {
+                return Ok(());
+            }
             let inv = super::super::pow2(-e);
             let (mut fast, mut slow) = (vec![-1i32; pv.len()], vec![-1i32; pv.len()]);
             // SAFETY: AVX-512F was detected.
@@ -241,7 +244,10 @@ mod tests {
 
         #[test]
         fn scaled_probabilities_are_the_scalar_loop_bit_for_bit(n in 0usize..40, seed: u64, tiny: bool) {
-            prop_assume!(available());
+            // A CPU without the instructions has nothing to compare (not a rejected case).
+            if !available() {
+                return Ok(());
+            }
             let [fast, slow] = scaled_case(scaled_probabilities, n, seed, tiny);
             prop_assert_eq!(fast, slow);
         }
@@ -249,7 +255,10 @@ mod tests {
         #[test]
         fn scores_are_the_scalar_loop_bit_for_bit(hb in 1usize..5, n in 0usize..70,
                                                   pad in 0usize..3, wide: bool, seed: u64) {
-            prop_assume!(available());
+            // A CPU without the instructions has nothing to compare (not a rejected case).
+            if !available() {
+                return Ok(());
+            }
             let forms = [scores::<1>, scores::<2>, scores::<3>, scores::<4>];
             let [fast, slow] = random_case(forms, hb, n, pad, wide, seed);
             prop_assert_eq!(fast, slow);
