@@ -84,10 +84,13 @@ pub enum Domain {
     /// elements (a Merkle leaf; since protocol 6, the MLP's hidden row; since protocol 7,
     /// the attention context too).
     QuantizedRow,
+    /// A link of a generation's chain of hop inputs at one stage (since protocol 9): the
+    /// chain before a hop and the hop's input commitment.
+    InputChain,
 }
 
 impl Domain {
-    const ALL: [Domain; 13] = [
+    const ALL: [Domain; 14] = [
         Domain::GemmRow,
         Domain::MerkleNode,
         Domain::Gemm,
@@ -101,6 +104,7 @@ impl Domain {
         Domain::KvRow,
         Domain::ProductRow,
         Domain::QuantizedRow,
+        Domain::InputChain,
     ];
 
     /// The blake3 `derive_key` context: globally unique, never to be changed once shipped.
@@ -119,6 +123,7 @@ impl Domain {
             Domain::KvRow => "DaisyChain 2026-11-30 kv cache row leaf v1",
             Domain::ProductRow => "DaisyChain 2026-12-02 product output row leaf v1",
             Domain::QuantizedRow => "DaisyChain 2026-12-02 quantised activation row leaf v1",
+            Domain::InputChain => "DaisyChain 2026-12-03 generation input chain v1",
         }
     }
 

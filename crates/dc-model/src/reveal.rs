@@ -863,8 +863,17 @@ impl LayerChecker {
                     e.point
                 )
             };
+            // Every field of a row is read, so a reveal says one thing only.
+            if row.cols as usize != cols {
+                return Err(opens());
+            }
             if e.point == Point::KvCache {
                 // The row k and v make is recomputed; only its opening travels.
+                if row.unit.is_some() || !row.encoding.is_empty() {
+                    return Err(format!(
+                        "layer {l}: the cache row carries values, but only its opening travels"
+                    ));
+                }
                 kv_row = Some(opening);
                 continue;
             }
@@ -884,14 +893,17 @@ impl LayerChecker {
                         };
                         let decoded = QuantizedRows::decode_row(&row.encoding, cols)
                             .map_err(|why| format!("layer {l}: the {what} row: {why}"))?;
-                        if row.cols as usize != cols {
-                            return Err(opens());
-                        }
                         hashes.push(
                             Message::QuantizedRow(cols, &row.encoding),
                             Want::Opens(opening, e.point),
                         );
                         CommittedRow::Revealed(decoded)
+                    }
+                    false if !row.encoding.is_empty() => {
+                        return Err(format!(
+                            "layer {l}: the {:?} row carries values no check takes",
+                            e.point
+                        ))
                     }
                     false => CommittedRow::Opening(opening),
                 };
@@ -900,9 +912,6 @@ impl LayerChecker {
                     _ => hidden = Some(committed),
                 }
                 continue;
-            }
-            if row.cols as usize != cols {
-                return Err(opens());
             }
             // Every opened row's rounded values (its leaf hashes them, and the glue computes
             // on them), and a tested product's side of Freivalds' test.
@@ -933,6 +942,14 @@ impl LayerChecker {
                 return Err(format!(
                     "layer {l}: the {point:?} row has {} values",
                     row.cols
+                ));
+            }
+            // Nothing to open, so no opening: a reveal says one thing only (a root or path
+            // here would be bytes no check reads, a second form of the same reveal).
+            if row.root != Commitment::default() || !row.path.is_empty() {
+                return Err(format!(
+                    "layer {l}: the {point:?} row carries an opening, but it has no commitment \
+                     of its own"
                 ));
             }
             let (rounded, output_side) = decode_product_row(row, key, tests.contains(point))

@@ -11,8 +11,9 @@ use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
 use dc_model::sampling::SamplingParams;
 use dc_model::Activations;
 use dc_types::{
-    FraudProof, GenerationEvent, GenerationId, GenerationRequest, HopRecord, HopRequest,
-    HopResponse, HopTrace, ProofKind, RouteHop, Signed, StageRequest, StageResponse, VerifyMode,
+    Commitment, FraudProof, GenerationEvent, GenerationId, GenerationRequest, HopRecord,
+    HopRequest, HopResponse, HopTrace, ProofKind, RouteHop, Signed, StageRequest, StageResponse,
+    VerifyMode,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -65,8 +66,9 @@ struct HopResult {
 }
 
 /// Runs one hop on `peer` (ourselves or remote) and checks the answer: signature, fields, input
-/// and output commitments, and the trace against the record. A record that contradicts its own
-/// trace is a proof by itself: the peer is excluded on the spot.
+/// and output commitments, the chain of inputs (`previous`: what the stage's last record of
+/// this generation chains to), and the trace against the record. A record that contradicts its
+/// own trace is a proof by itself: the peer is excluded on the spot.
 async fn hop_on(
     node: &Arc<Node>,
     peer: &str,
@@ -74,6 +76,7 @@ async fn hop_on(
     g: GenerationId,
     step: u64,
     x: &Activations,
+    previous: Commitment,
 ) -> Result<HopResult, Stop> {
     let req = HopRequest {
         model_id: node.model_id,
@@ -138,6 +141,13 @@ async fn hop_on(
             "peer {peer}: the record commits to other input activations"
         )));
     }
+    // A record off the chain could never be part of a proof: the stage's lies in it would go
+    // unpunished, so it is not used (not a proof either: the head's own view of the chain).
+    if r.previous != previous {
+        return Err(Stop::Failed(format!(
+            "peer {peer}: the record does not continue the generation's chain of inputs"
+        )));
+    }
     if r.output != y.commitment() || y.start != x.start || y.rows() != x.rows() {
         return Err(Stop::Failed(format!(
             "peer {peer}: the activations do not match its record"
@@ -163,6 +173,13 @@ async fn hop_on(
         record,
         trace,
     })
+}
+
+/// The chain of inputs a stage's next record must continue: its last record's in the log.
+fn chain(log: &StageLog) -> Commitment {
+    log.records
+        .last()
+        .map_or(HopRecord::FIRST, |r| r.body.chain())
 }
 
 /// The generation id a second peer uses for the same work (its own caches).
@@ -223,8 +240,24 @@ impl Attempt {
             if let Some(shadow) = self.shadows.as_ref().and_then(|s| s[i].clone()) {
                 self.shadow_logs[i].inputs.push(input);
                 let (a, b) = tokio::join!(
-                    hop_on(node, &h.peer, h.layers, self.g, step, &x),
-                    hop_on(node, &shadow, h.layers, shadow_id(&self.g), step, &x)
+                    hop_on(
+                        node,
+                        &h.peer,
+                        h.layers,
+                        self.g,
+                        step,
+                        &x,
+                        chain(&self.logs[i])
+                    ),
+                    hop_on(
+                        node,
+                        &shadow,
+                        h.layers,
+                        shadow_id(&self.g),
+                        step,
+                        &x,
+                        chain(&self.shadow_logs[i])
+                    )
                 );
                 let (a, b) = (a?, b?);
                 let (ta, tb) = (Arc::new(a.trace), Arc::new(b.trace));
@@ -252,7 +285,8 @@ impl Attempt {
                     h.peer
                 )));
             }
-            let r = hop_on(node, &h.peer, h.layers, self.g, step, &x).await?;
+            let previous = chain(&self.logs[i]);
+            let r = hop_on(node, &h.peer, h.layers, self.g, step, &x, previous).await?;
             self.logs[i].records.push(r.record);
             self.logs[i].traces.push(Arc::new(r.trace));
             if remote && should_audit(node, &self.g, step, i, self.rate) {

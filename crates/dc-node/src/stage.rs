@@ -9,9 +9,9 @@ use std::collections::VecDeque;
 
 use dc_model::{Activations, CacheLog, KeptHop, KvCache};
 use dc_types::{
-    AuditRequest, CacheRows, CacheRowsRequest, GenerationId, HopErrorKind, HopRecord, HopRequest,
-    HopResponse, HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest, WireActivations,
-    MAX_REVEAL_HOPS, MAX_REVEAL_PICKS, MAX_REVEAL_ROWS,
+    AuditRequest, CacheRows, CacheRowsRequest, Commitment, GenerationId, HopErrorKind, HopRecord,
+    HopRequest, HopResponse, HopTrace, LayerRange, LayerReveal, PeerState, RevealRequest,
+    WireActivations, MAX_REVEAL_HOPS, MAX_REVEAL_PICKS, MAX_REVEAL_ROWS,
 };
 
 use crate::node::Node;
@@ -39,6 +39,9 @@ struct Entry {
     kept: VecDeque<(u64, Arc<KeptHop>)>,
     /// The cache rows of the generation, for reveals (only when hops are kept).
     log: CacheLog,
+    /// The chain of the inputs that built the cache ([`HopRecord::chain`]), which the next
+    /// hop's record names.
+    chain: Commitment,
 }
 
 /// The KV caches this daemon holds, one per generation, bounded in number and dropped when
@@ -112,6 +115,7 @@ impl StageCaches {
                     last_used: Instant::now(),
                     kept: VecDeque::new(),
                     log: CacheLog::default(),
+                    chain: HopRecord::FIRST,
                 },
             );
             return Ok(KvCache::new(cfg, layers.as_range()));
@@ -178,6 +182,20 @@ impl StageCaches {
             .find(|(s, _)| *s == step)
             .map(|(_, k)| k.clone())?;
         Some((hop, e.log.clone()))
+    }
+
+    /// The chain of the inputs that built `g`'s cache ([`HopRecord::FIRST`] for none).
+    fn chain(&self, g: &GenerationId) -> Commitment {
+        self.entries.get(g).map_or(HopRecord::FIRST, |e| e.chain)
+    }
+
+    /// Returns `g`'s cache after a hop that succeeded, with the chain of the inputs that built
+    /// it now.
+    fn put_after(&mut self, g: GenerationId, cache: KvCache, chain: Commitment) {
+        self.put(g, Some(cache));
+        if let Some(e) = self.entries.get_mut(&g) {
+            e.chain = chain;
+        }
     }
 
     /// Returns a cache after a hop (successful or not: a failed hop leaves it unchanged only if
@@ -310,14 +328,19 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
             ),
         );
     }
-    let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
-        req.generation,
-        req.layers,
-        x.start,
-        cfg,
-        node.cfg.max_generations,
-    );
-    let mut cache = match taken {
+    let taken = {
+        let mut caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
+        caches
+            .take(
+                req.generation,
+                req.layers,
+                x.start,
+                cfg,
+                node.cfg.max_generations,
+            )
+            .map(|cache| (cache, caches.chain(&req.generation)))
+    };
+    let (mut cache, previous) = match taken {
         Ok(c) => c,
         Err((kind, msg)) => return refuse(kind, msg),
     };
@@ -351,19 +374,6 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
     };
     match out {
         Ok((y, kept, trace)) => {
-            {
-                let mut caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
-                if keep {
-                    caches.keep(&req.generation, req.step, kept, &cache);
-                }
-                caches.put(req.generation, Some(cache));
-            }
-            node.stats
-                .hops
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            node.stats
-                .positions
-                .fetch_add(y.rows() as u64, std::sync::atomic::Ordering::Relaxed);
             let record = HopRecord {
                 generation: req.generation,
                 step: req.step,
@@ -371,7 +381,21 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
                 input,
                 output: y.commitment(),
                 gemms: trace.root(),
+                previous,
             };
+            {
+                let mut caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
+                if keep {
+                    caches.keep(&req.generation, req.step, kept, &cache);
+                }
+                caches.put_after(req.generation, cache, record.chain());
+            }
+            node.stats
+                .hops
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            node.stats
+                .positions
+                .fetch_add(y.rows() as u64, std::sync::atomic::Ordering::Relaxed);
             match dc_net::signing::sign(&node.keypair, dc_types::HOP_RECORD_KIND, record) {
                 Ok(record) => HopResponse::Done {
                     activations: to_wire(&y),

@@ -181,7 +181,13 @@ pub fn verify_proof(
     let last = p.records.len() - 1;
     match p.kind {
         ProofKind::Inconsistent => {
-            match check_consistency(&p.records[last].body, &p.traces[last]) {
+            // The trace is not signed, only its root: a trace with another root is not the
+            // accused's (anyone can pair an honest record with one), so it proves nothing.
+            let (record, trace) = (&p.records[last].body, &p.traces[last]);
+            if trace.root() != record.gemms {
+                return Err("the trace is not the one the accused's record signs".into());
+            }
+            match check_consistency(record, trace) {
                 Err(_) => Ok(()),
                 Ok(()) => Err("the accused's record agrees with its trace".into()),
             }
@@ -195,6 +201,18 @@ pub fn verify_proof(
             }
             if p.layer_inputs.len() != p.records.len() {
                 return Err("the proof needs the layer's input for every hop".into());
+            }
+            // One run's records, from its first hop: a generation id run twice gives two
+            // chains, and a replay of records spliced from both would fault an honest stage.
+            let mut previous = HopRecord::FIRST;
+            for (k, r) in p.records.iter().enumerate() {
+                if r.body.previous != previous {
+                    return Err(format!(
+                        "record {k} does not continue the chain of the records before it (not \
+                         one run of the generation from its first hop)"
+                    ));
+                }
+                previous = r.body.chain();
             }
             for (r, t) in p.records.iter().zip(&p.traces) {
                 // A record that disagrees with its own trace would be a proof by itself; here

@@ -37,6 +37,18 @@ fn run_stage(
     lie_at: usize,
     lie: impl Fn(&mut Activations, &mut HopTrace),
 ) -> Log {
+    run_stage_on(model, key, layers, 3, lie_at, lie)
+}
+
+/// [`run_stage`] on the tokens `(i * 37 + first) % 500` (one run of generation 5 per `first`).
+fn run_stage_on(
+    model: &Model,
+    key: &Keypair,
+    layers: LayerRange,
+    first: u32,
+    lie_at: usize,
+    lie: impl Fn(&mut Activations, &mut HopTrace),
+) -> Log {
     let gemm = Gemm::new(Kernel::best(), 2).unwrap();
     let g = GenerationId([5; 16]);
     let mut head_cache = KvCache::new(&model.config, 0..layers.start as usize);
@@ -46,8 +58,8 @@ fn run_stage(
         records: vec![],
         traces: vec![],
     };
-    let ids: Vec<u32> = (0..15).map(|i| (i * 37 + 3) % 500).collect();
-    let mut pos = 0;
+    let ids: Vec<u32> = (0..15).map(|i| (i * 37 + first) % 500).collect();
+    let (mut pos, mut previous) = (0, HopRecord::FIRST);
     for (step, len) in [9usize, 1, 1, 1, 1, 1, 1].into_iter().enumerate() {
         let mut x = model.embed(&ids[pos..pos + len], pos).unwrap();
         if layers.start > 0 {
@@ -67,7 +79,9 @@ fn run_stage(
             input: x.commitment(),
             output: y.commitment(),
             gemms: t.root(),
+            previous,
         };
+        previous = record.chain();
         log.records
             .push(dc_net::signing::sign(key, dc_types::HOP_RECORD_KIND, record).unwrap());
         log.inputs.push(x);
@@ -235,6 +249,33 @@ fn forged_proofs_are_rejected_and_honest_stages_cannot_be_accused() {
 }
 
 #[test]
+fn records_of_two_honest_runs_of_one_generation_cannot_be_spliced_into_a_proof() {
+    // A head that runs one generation id twice with other tokens (or a stage that forgot it,
+    // restarting) holds two honest runs signed under one id. Spliced — the first run's
+    // prompt hop, the second's decode hops — re-running the layer from the first run's cache
+    // gives other commitments than the second run honestly signed.
+    let model = Model::load(&fixture("llama"), &LoadOptions::default()).unwrap();
+    let key = Keypair::generate_ed25519();
+    let layers = LayerRange { start: 1, end: 4 };
+    let a = run_stage_on(&model, &key, layers, 3, 99, |_, _| {});
+    let b = run_stage_on(&model, &key, layers, 11, 99, |_, _| {});
+    let spliced = Log {
+        inputs: vec![a.inputs[0].clone(), b.inputs[1].clone()],
+        records: vec![a.records[0].clone(), b.records[1].clone()],
+        traces: vec![a.traces[0].clone(), b.traces[1].clone()],
+    };
+    let p = prove(&model, &key, layers, &spliced);
+    let err = check(&p).unwrap_err();
+    assert!(err.contains("chain"), "{err}");
+    // Each run alone is honest: no dispute in either.
+    let gemm = Gemm::new(Kernel::best(), 1).unwrap();
+    for run in [&a, &b] {
+        let d = find_dispute(&model, &gemm, layers, &run.inputs, &run.traces).unwrap();
+        assert!(d.is_none());
+    }
+}
+
+#[test]
 fn a_record_that_contradicts_its_trace_is_a_proof_by_itself() {
     let model = Model::load(&fixture("llama"), &LoadOptions::default()).unwrap();
     let key = Keypair::generate_ed25519();
@@ -259,4 +300,205 @@ fn a_record_that_contradicts_its_trace_is_a_proof_by_itself() {
     q.records = vec![log.records[0].clone()];
     q.traces = vec![log.traces[0].clone()];
     assert!(verify_proof(&q, ModelId::default(), &cfg, None, &gemm).is_err());
+    // Nor does an honest record paired with a trace it does not sign (anyone can make one:
+    // the trace is not signed, only its root): one commitment changed, or the entries cut.
+    let mut other = log.traces[0].clone();
+    other.entries[3].commitment.0[0] ^= 1;
+    let mut cut = log.traces[0].clone();
+    cut.entries.truncate(4);
+    for t in [other, cut] {
+        let mut f = q.clone();
+        f.traces = vec![t];
+        let err = verify_proof(&f, ModelId::default(), &cfg, None, &gemm).unwrap_err();
+        assert!(err.contains("not the one"), "{err}");
+    }
+}
+
+/// What a peer makes of a proof it was handed, as `accept_proof` does it: the named layer
+/// loaded (a layer beyond the model refused), then checked. `Err` if checking panicked.
+fn judge(
+    p: &FraudProof,
+    cfg: &dc_model::ModelConfig,
+    layers: &mut std::collections::HashMap<u32, Model>,
+) -> std::thread::Result<Result<(), String>> {
+    let model = match dc_node::verify::proof_layer(p) {
+        Some(l) if l < cfg.num_layers as u32 => Some(layers.entry(l).or_insert_with(|| {
+            let only = Some(l as usize..l as usize + 1);
+            let opts = LoadOptions {
+                layers: only,
+                head: false,
+                cache_in: None,
+            };
+            Model::load(&fixture("llama"), &opts).unwrap()
+        }) as &Model),
+        Some(l) => return Ok(Err(format!("layer {l} is beyond the model"))),
+        None => None,
+    };
+    let gemm = Gemm::new(Kernel::best(), 1).unwrap();
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        verify_proof(p, ModelId::default(), cfg, model, &gemm)
+    }))
+}
+
+/// A proof with one field set to an edge value or one list cut, repeated or reordered.
+fn crafted(p: &FraudProof, rng: &mut dc_kernels::rng::SplitMix64) -> FraudProof {
+    let mut f = p.clone();
+    let mut pick = |n: usize| (rng.next_u64() % n.max(1) as u64) as usize;
+    let edge = [0, 1, 2, 3, 4, u32::MAX, u32::MAX / 2][pick(7)];
+    let (k, e) = (pick(f.traces.len()), pick(64));
+    match pick(12) {
+        0 => f.kind = ProofKind::Recompute { layer: edge },
+        1 => f.kind = ProofKind::Inconsistent,
+        2 => f.records.swap(0, k),
+        3 => {
+            f.records.remove(k);
+        }
+        4 => f.traces.truncate(k),
+        5 => {
+            if let Some(t) = f.traces.get_mut(k) {
+                match t.entries.get_mut(e) {
+                    Some(x) => x.layer = edge,
+                    None => t.entries.clear(),
+                }
+            }
+        }
+        6 => {
+            if let Some(t) = f.traces.get_mut(k) {
+                t.from = edge as usize;
+            }
+        }
+        7 => f.layer_inputs.truncate(k),
+        8 => {
+            if let Some(w) = f.layer_inputs.get_mut(k) {
+                w.start = edge;
+            }
+        }
+        9 => {
+            if let Some(w) = f.layer_inputs.get_mut(k) {
+                w.hidden = edge;
+            }
+        }
+        10 => {
+            if let Some(w) = f.layer_inputs.get_mut(k) {
+                match w.data.get_mut(e) {
+                    Some(v) => *v = [f32::NAN, f32::INFINITY, 1e30, -0.0][e % 4],
+                    None => w.data.truncate(e),
+                }
+            }
+        }
+        _ => f.accused = "12D3KooWnot-a-peer-id".into(),
+    }
+    f
+}
+
+/// The encoded proof with a few bits flipped, cut short or a stretch repeated.
+fn damaged(bytes: &[u8], rng: &mut dc_kernels::rng::SplitMix64) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    let mut at = |len: usize| (rng.next_u64() % len.max(1) as u64) as usize;
+    match at(3) {
+        0 => {
+            for _ in 0..1 + at(3) {
+                let i = at(b.len());
+                b[i] ^= 1 << at(8);
+            }
+        }
+        1 => {
+            let keep = at(b.len());
+            b.truncate(keep);
+        }
+        _ => {
+            let i = at(b.len());
+            let j = (i + 1 + at(64)).min(b.len());
+            let stretch = b[i..j].to_vec();
+            b.splice(i..i, stretch);
+        }
+    }
+    b
+}
+
+#[test]
+fn damaged_or_crafted_proofs_never_hold_against_an_honest_stage_and_never_panic() {
+    let model = Model::load(&fixture("llama"), &LoadOptions::default()).unwrap();
+    let (cfg, _) = dc_model::model::open_source(&fixture("llama")).unwrap();
+    let key = Keypair::generate_ed25519();
+    let accused = key.public().to_peer_id().to_string();
+    let layers = LayerRange { start: 0, end: 2 };
+    let honest = run_stage(&model, &key, layers, 99, |_, _| {});
+    // What a forger holding an honest stage's records would send: a replay claim about its
+    // first layer over hops 0..=3 (whose inputs are the stage's), and a claim that a record
+    // contradicts its trace.
+    let replay = FraudProof {
+        model_id: ModelId::default(),
+        accused: accused.clone(),
+        kind: ProofKind::Recompute { layer: 0 },
+        records: honest.records[..=3].to_vec(),
+        traces: honest.traces[..=3].to_vec(),
+        layer_inputs: honest.inputs[..=3]
+            .iter()
+            .map(dc_node::verify::wire)
+            .collect(),
+    };
+    let inconsistent = FraudProof {
+        kind: ProofKind::Inconsistent,
+        records: vec![honest.records[2].clone()],
+        traces: vec![honest.traces[2].clone()],
+        layer_inputs: Vec::new(),
+        ..replay.clone()
+    };
+    let mut loaded = std::collections::HashMap::new();
+    let mut rng = dc_kernels::rng::SplitMix64::new(41);
+    for base in [&replay, &inconsistent] {
+        assert!(judge(base, &cfg, &mut loaded).unwrap().is_err());
+        let bytes = dc_types::encode(base, 1 << 24).unwrap();
+        let mut judged = 0;
+        for case in 0..300 {
+            let f = match case % 2 {
+                0 => crafted(base, &mut rng),
+                _ => match dc_types::decode::<FraudProof>(&damaged(&bytes, &mut rng), 1 << 24) {
+                    Ok(f) => f,
+                    Err(_) => continue,
+                },
+            };
+            match judge(&f, &cfg, &mut loaded) {
+                Err(_) => panic!("case {case}: checking the proof panicked ({:?})", f.kind),
+                Ok(verdict) => assert!(
+                    verdict.is_err(),
+                    "case {case}: a forged proof holds against an honest stage ({:?})",
+                    f.kind
+                ),
+            }
+            judged += 1;
+        }
+        assert!(judged >= 200, "only {judged} cases reached the checker");
+    }
+
+    // A peer may sign anything about itself: records of edge ranges, generations and chains,
+    // re-signed. Whether such a proof holds (it proves the signer wrong), checking it must
+    // neither panic nor take unbounded memory.
+    let ranges = [
+        (0, u32::MAX),
+        (u32::MAX - 1, u32::MAX),
+        (0, 1),
+        (1, 2),
+        (5, 9),
+    ];
+    for (case, (start, end)) in ranges.into_iter().enumerate() {
+        for kind in [
+            ProofKind::Inconsistent,
+            ProofKind::Recompute { layer: start },
+        ] {
+            let mut f = replay.clone();
+            f.kind = kind;
+            for r in &mut f.records {
+                let mut body = r.body.clone();
+                body.layers = LayerRange { start, end };
+                body.previous = dc_types::Commitment([case as u8; 32]);
+                *r = dc_net::signing::sign(&key, dc_types::HOP_RECORD_KIND, body).unwrap();
+            }
+            assert!(
+                judge(&f, &cfg, &mut loaded).is_ok(),
+                "{start}..{end} {kind:?}"
+            );
+        }
+    }
 }

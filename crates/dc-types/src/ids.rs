@@ -71,13 +71,32 @@ impl fmt::Debug for GenerationId {
     }
 }
 
-/// A half-open range of layers `start..end`, as in Rust (`0..2` is layers 0 and 1).
+/// A half-open range of layers `start..end`, as in Rust (`0..2` is layers 0 and 1). Never
+/// empty: decoding refuses `start >= end` as [`LayerRange::new`] does, so no peer's message
+/// can hand the code an empty or inverted range.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "RawLayerRange")]
 pub struct LayerRange {
     /// First layer.
     pub start: u32,
     /// One past the last layer.
     pub end: u32,
+}
+
+/// A [`LayerRange`] as it travels, before it is checked (same fields, same encoding).
+#[derive(Deserialize)]
+struct RawLayerRange {
+    start: u32,
+    end: u32,
+}
+
+impl TryFrom<RawLayerRange> for LayerRange {
+    type Error = String;
+
+    fn try_from(r: RawLayerRange) -> Result<LayerRange, String> {
+        LayerRange::new(r.start, r.end)
+            .ok_or_else(|| format!("the layer range {}..{} is empty", r.start, r.end))
+    }
 }
 
 impl LayerRange {
@@ -157,6 +176,20 @@ mod tests {
         assert!("a..3".parse::<LayerRange>().is_err());
         assert!("3".parse::<LayerRange>().is_err());
         assert_eq!(r.to_string(), "0..2");
+    }
+
+    #[test]
+    fn an_empty_layer_range_off_the_wire_is_refused_and_the_encoding_is_two_numbers() {
+        // A peer's message is decoded field by field; the range must not skip `new`'s check.
+        for (start, end) in [(2u32, 2u32), (5, 2), (u32::MAX, 0)] {
+            let bytes = crate::encode(&(start, end), 64).unwrap();
+            let err = crate::decode::<LayerRange>(&bytes, 64).unwrap_err();
+            assert!(err.to_string().contains("empty"), "{start}..{end}: {err}");
+        }
+        let r = LayerRange::new(3, 7).unwrap();
+        let bytes = crate::encode(&r, 64).unwrap();
+        assert_eq!(bytes, crate::encode(&(3u32, 7u32), 64).unwrap());
+        assert_eq!(crate::decode::<LayerRange>(&bytes, 64).unwrap(), r);
     }
 
     #[test]

@@ -30,10 +30,12 @@ pub use wire::{decode, encode, WireError};
 /// 8: a revealed product row travels in units form (`RevealedRow::unit`: the row's unit and
 ///    each value's `i64` sum, 8 bytes a value instead of the canonical encoding's 12); the
 ///    commitments and hop records are protocol 7's.
-pub const PROTOCOL_VERSION: u32 = 8;
+/// 9: a hop record chains the generation's inputs at the stage (`HopRecord::previous`), so a
+///    proof's records must be one run's; records are signed as `"hop record, protocol 9"`.
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an
 /// honest peer's from before an upgrade) never verifies here: replayed against a recomputation
 /// with this protocol's leaves it would otherwise look like a lie.
-pub const HOP_RECORD_KIND: &str = "hop record, protocol 7";
+pub const HOP_RECORD_KIND: &str = "hop record, protocol 9";

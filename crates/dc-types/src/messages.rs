@@ -102,6 +102,23 @@ pub struct HopRecord {
     pub output: Commitment,
     /// Root of the per-GEMM commitments (zero when not computed).
     pub gemms: Commitment,
+    /// The stage's chain of this generation's inputs before this hop: [`HopRecord::FIRST`] for
+    /// the hop at position 0, then each record's [`HopRecord::chain`]. It ties the record to
+    /// the one sequence of inputs that built the stage's cache: the same generation id run
+    /// twice (a head may start one over at position 0) yields two chains, so records of the
+    /// two runs cannot be spliced into a proof against an honest stage.
+    pub previous: Commitment,
+}
+
+impl HopRecord {
+    /// The chain before a generation's first hop.
+    pub const FIRST: Commitment = Commitment([0; 32]);
+
+    /// The chain after this hop: what the stage's next record of the generation names as
+    /// `previous`.
+    pub fn chain(&self) -> Commitment {
+        dc_kernels::Domain::InputChain.hash_parts(&[&self.previous.0, &self.input.0])
+    }
 }
 
 /// A message with its signer's public key and signature (encoding and checking live in the

@@ -214,9 +214,13 @@ impl HopTrace {
 
     /// Whether the entries are exactly the points an honest stage records for `layers`.
     pub fn is_well_formed(&self, layers: crate::LayerRange) -> bool {
-        let want = expected_points(layers);
-        want.len() == self.entries.len()
-            && want
+        // The count first, from the range alone: a range of billions of layers (a hostile
+        // record's) must not make a list of billions of points.
+        let count = (layers.len() as usize)
+            .checked_mul(PER_LAYER.len())
+            .and_then(|n| n.checked_add(1));
+        count == Some(self.entries.len())
+            && expected_points(layers)
                 .iter()
                 .zip(&self.entries)
                 .all(|(&(l, p), e)| e.layer == l && e.point == p)
@@ -231,20 +235,22 @@ impl HopTrace {
     }
 }
 
+/// The points an honest stage records for each layer, in order.
+const PER_LAYER: [Point; 7] = [
+    Point::Input,
+    Point::Q,
+    Point::KvCache,
+    Point::Context,
+    Point::O,
+    Point::Hidden,
+    Point::Down,
+];
+
 /// The points an honest stage records for `layers`, in order (the same for every
 /// architecture since protocol 6: the MLP's first products commit through `Hidden`).
 pub fn expected_points(layers: crate::LayerRange) -> Vec<(u32, Point)> {
-    let per_layer = [
-        Point::Input,
-        Point::Q,
-        Point::KvCache,
-        Point::Context,
-        Point::O,
-        Point::Hidden,
-        Point::Down,
-    ];
     let mut v: Vec<(u32, Point)> = (layers.start..layers.end)
-        .flat_map(|l| per_layer.iter().map(move |&p| (l, p)))
+        .flat_map(|l| PER_LAYER.iter().map(move |&p| (l, p)))
         .collect();
     v.push((layers.end - 1, Point::Output));
     v
@@ -279,6 +285,19 @@ mod tests {
             .iter()
             .find(|e| e.layer == layer && e.point == point);
         e.map(|e| e.commitment)
+    }
+
+    #[test]
+    fn well_formedness_is_judged_without_listing_a_hostile_range() {
+        let layers = crate::LayerRange::new(3, 9).unwrap();
+        let t = trace(layers);
+        assert!(t.is_well_formed(layers));
+        assert!(!t.is_well_formed(crate::LayerRange::new(3, 8).unwrap()));
+        // Billions of layers: 30 billion points were listed before the lengths were compared
+        // (a record signed by a hostile peer can name any range). Now the count decides first.
+        let all = crate::LayerRange::new(0, u32::MAX).unwrap();
+        assert!(!t.is_well_formed(all));
+        assert!(!HopTrace::from_position(0).is_well_formed(all));
     }
 
     #[test]
