@@ -73,7 +73,7 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         "daisychain/announce/{PROTOCOL_VERSION}/{}",
         model_id.short()
     );
-    let (client, _events) = intruder(topic, &d.addr, 8 << 20).await;
+    let (client, _events) = intruder(topic.clone(), &d.addr, 8 << 20).await;
     let victim: libp2p::PeerId = d.peer_id.parse().unwrap();
 
     // Another model id.
@@ -252,6 +252,41 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     let stranger = dc_types::GenerationId([7; 16]);
     let err = cache_rows(client.stage_request(victim, rows(stranger, 1)).await).unwrap_err();
     assert!(err.contains("no cache rows"), "{err}");
+
+    // A second peer that learnt the generation's id (any stage of its route does) can neither
+    // continue it, nor start it over (the stage would sign a second run under the id), nor
+    // end it, nor read its kept hops or cache rows: they are its head's alone.
+    let (other_peer, _other_events) = intruder(topic.clone(), &d.addr, 8 << 20).await;
+    let mut next = hop(model_id, 1, 64, vec![0.25; 64]);
+    let mut again = hop(model_id, 0, 64, vec![0.25; 64]);
+    for h in [&mut next, &mut again] {
+        if let StageRequest::Hop(r) = h {
+            r.generation = generation;
+        }
+    }
+    for h in [next, again] {
+        let (kind, msg) = refused(other_peer.stage_request(victim, h).await);
+        assert!(
+            kind == HopErrorKind::BadActivations && msg.contains("another peer"),
+            "{msg}"
+        );
+    }
+    let err = revealed(
+        other_peer
+            .stage_request(victim, reveal(0, vec![(1, 0)]))
+            .await,
+    )
+    .unwrap_err();
+    assert!(err.contains("is not kept here"), "{err}");
+    let err = cache_rows(other_peer.stage_request(victim, rows(generation, 1)).await).unwrap_err();
+    assert!(err.contains("no cache rows"), "{err}");
+    let ended = other_peer
+        .stage_request(victim, StageRequest::End { generation })
+        .await;
+    assert!(matches!(ended, Ok(StageResponse::Ack)), "{ended:?}");
+    // Untouched: its head still reads what it asked for before.
+    let still = revealed(client.stage_request(victim, reveal(0, vec![(1, 0)])).await).unwrap();
+    assert_eq!(still, ok);
 
     // Over the size cap: 2 MB of activations against a 1 MiB limit. The daemon refuses to read
     // it; the sender sees the request fail.

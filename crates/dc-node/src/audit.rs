@@ -207,7 +207,7 @@ impl AuditSession {
                 node.caches
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .end(&self.id);
+                    .end(&self.id, &node.local);
             }
             Some(a) => {
                 if let Ok(peer) = a.parse() {
@@ -296,7 +296,7 @@ pub async fn audit(
             cache: None,
         };
         theirs = if auditor == node.local {
-            crate::stage::serve_audit(node.clone(), req).await
+            crate::stage::serve_audit(node.clone(), req, &node.local).await
         } else {
             let Ok(peer) = auditor.parse() else {
                 return false;
@@ -448,7 +448,7 @@ async fn audit_from_cache(
         }),
     };
     let answer = if auditor == node.local {
-        crate::stage::serve_audit(node.clone(), req).await
+        crate::stage::serve_audit(node.clone(), req, &node.local).await
     } else {
         match node
             .client

@@ -367,7 +367,7 @@ impl Attempt {
                 node.caches
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .end(&g);
+                    .end(&g, &node.local);
             } else if let Ok(p) = peer.parse() {
                 let client = node.client.clone();
                 tokio::spawn(async move {

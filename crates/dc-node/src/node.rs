@@ -672,28 +672,30 @@ async fn on_net_event(node: &Arc<Node>, ev: NetEvent) {
         } => {
             let node = node.clone();
             tokio::spawn(async move {
+                // Who asks: a generation's caches and kept hops are its head's alone.
+                let from = from.to_string();
                 let response = match request {
                     StageRequest::Hop(h) => {
-                        StageResponse::Hop(Box::new(serve_hop(node.clone(), h).await))
+                        StageResponse::Hop(Box::new(serve_hop(node.clone(), h, &from).await))
                     }
                     StageRequest::End { generation } => {
                         node.caches
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
-                            .end(&generation);
+                            .end(&generation, &from);
                         StageResponse::Ack
                     }
-                    StageRequest::Audit(a) => {
-                        StageResponse::Audit(crate::stage::serve_audit(node.clone(), a).await)
-                    }
-                    StageRequest::Reveal(r) => {
-                        StageResponse::Reveal(crate::stage::serve_reveal(node.clone(), r).await)
-                    }
+                    StageRequest::Audit(a) => StageResponse::Audit(
+                        crate::stage::serve_audit(node.clone(), a, &from).await,
+                    ),
+                    StageRequest::Reveal(r) => StageResponse::Reveal(
+                        crate::stage::serve_reveal(node.clone(), r, &from).await,
+                    ),
                     StageRequest::RevealHops(r) => StageResponse::RevealHops(
-                        crate::stage::serve_reveal_hops(node.clone(), r).await,
+                        crate::stage::serve_reveal_hops(node.clone(), r, &from).await,
                     ),
                     StageRequest::CacheRows(r) => StageResponse::CacheRows(
-                        crate::stage::serve_cache_rows(node.clone(), r).await,
+                        crate::stage::serve_cache_rows(node.clone(), r, &from).await,
                     ),
                     StageRequest::GetProof { id } => StageResponse::Proof(Box::new(
                         node.audits

@@ -31,6 +31,9 @@ pub const KEPT_BYTES: usize = 256 << 20;
 /// One generation's cache in this daemon.
 #[derive(Debug)]
 struct Entry {
+    /// The peer that started it (its head, or the head whose audit session it is): no other
+    /// peer may run, restart, end or read it.
+    owner: String,
     /// `None` while a hop is using it.
     cache: Option<KvCache>,
     layers: LayerRange,
@@ -45,7 +48,9 @@ struct Entry {
 }
 
 /// The KV caches this daemon holds, one per generation, bounded in number and dropped when
-/// idle.
+/// idle. Each belongs to the peer that started it: a generation id is known to every stage of
+/// its route, and without an owner any of them could end another head's generation, start it
+/// over (the stage would sign a second run under the id) or read its kept hops.
 #[derive(Debug, Default)]
 pub struct StageCaches {
     entries: HashMap<GenerationId, Entry>,
@@ -70,9 +75,17 @@ impl StageCaches {
             .sum()
     }
 
-    /// Drops the cache of a finished generation.
-    pub fn end(&mut self, g: &GenerationId) -> bool {
-        self.entries.remove(g).is_some()
+    /// Drops the cache of a finished generation, if `owner` started it.
+    pub fn end(&mut self, g: &GenerationId, owner: &str) -> bool {
+        match self.entries.get(g) {
+            Some(e) if e.owner == owner => self.entries.remove(g).is_some(),
+            _ => false,
+        }
+    }
+
+    /// The entry of `g` if `owner` started it.
+    fn owned(&self, g: &GenerationId, owner: &str) -> Option<&Entry> {
+        self.entries.get(g).filter(|e| e.owner == owner)
     }
 
     /// Drops caches idle for longer than `idle`; returns how many.
@@ -83,16 +96,23 @@ impl StageCaches {
         before - self.entries.len()
     }
 
-    /// Takes the cache of `g` for a hop at position `start` over `layers`, creating it for a
-    /// new generation (start 0). At most `max` generations are held.
+    /// Takes the cache of `g` for `owner`'s hop at position `start` over `layers`, creating it
+    /// for a new generation (start 0). At most `max` generations are held.
     fn take(
         &mut self,
         g: GenerationId,
+        owner: &str,
         layers: LayerRange,
         start: usize,
         cfg: &dc_model::ModelConfig,
         max: usize,
     ) -> Result<KvCache, (HopErrorKind, String)> {
+        if self.entries.get(&g).is_some_and(|e| e.owner != owner) {
+            return Err((
+                HopErrorKind::BadActivations,
+                format!("generation {g} was started here by another peer"),
+            ));
+        }
         if start == 0 {
             if self.entries.get(&g).is_some_and(|e| e.cache.is_none()) {
                 return Err((
@@ -110,6 +130,7 @@ impl StageCaches {
             self.entries.insert(
                 g,
                 Entry {
+                    owner: owner.to_string(),
                     cache: None,
                     layers,
                     last_used: Instant::now(),
@@ -167,15 +188,15 @@ impl StageCaches {
         }
     }
 
-    /// The layers `g` runs here and its logged cache rows (shared, not copied).
-    fn log(&self, g: &GenerationId) -> Option<(LayerRange, CacheLog)> {
-        let e = self.entries.get(g)?;
+    /// The layers `g` runs here and its logged cache rows (shared, not copied), for its owner.
+    fn log(&self, g: &GenerationId, owner: &str) -> Option<(LayerRange, CacheLog)> {
+        let e = self.owned(g, owner)?;
         Some((e.layers, e.log.clone()))
     }
 
-    /// A kept hop, with the generation's cache rows (shared, not copied).
-    fn kept(&self, g: &GenerationId, step: u64) -> Option<(Arc<KeptHop>, CacheLog)> {
-        let e = self.entries.get(g)?;
+    /// A kept hop, with the generation's cache rows (shared, not copied), for its owner.
+    fn kept(&self, g: &GenerationId, step: u64, owner: &str) -> Option<(Arc<KeptHop>, CacheLog)> {
+        let e = self.owned(g, owner)?;
         let hop = e
             .kept
             .iter()
@@ -270,17 +291,18 @@ fn refuse(kind: HopErrorKind, message: impl Into<String>) -> HopResponse {
     }
 }
 
-/// Runs one hop on this daemon's layers for a remote head, keeping it for reveals.
-pub async fn serve_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
-    run_hop(node, req, true).await
+/// Runs one hop on this daemon's layers for the remote head `from`, keeping it for reveals.
+pub async fn serve_hop(node: Arc<Node>, req: HopRequest, from: &str) -> HopResponse {
+    run_hop(node, req, from, true).await
 }
 
 /// Runs one hop of a generation this daemon heads itself (nobody will ask it to reveal it).
 pub async fn serve_own_hop(node: Arc<Node>, req: HopRequest) -> HopResponse {
-    run_hop(node, req, false).await
+    let local = node.local.clone();
+    run_hop(node, req, &local, false).await
 }
 
-async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
+async fn run_hop(node: Arc<Node>, req: HopRequest, from: &str, keep: bool) -> HopResponse {
     if req.model_id != node.model_id {
         return refuse(
             HopErrorKind::WrongModel,
@@ -333,6 +355,7 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
         caches
             .take(
                 req.generation,
+                from,
                 req.layers,
                 x.start,
                 cfg,
@@ -415,10 +438,15 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, keep: bool) -> HopResponse {
     }
 }
 
-/// Reveals rows of a hop this daemon served (a head's spot check): the hop must still be kept.
-pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<LayerReveal>, String> {
+/// Reveals rows of a hop this daemon served (a head's spot check): the hop must still be kept,
+/// and `from` must be the generation's head.
+pub async fn serve_reveal(
+    node: Arc<Node>,
+    req: RevealRequest,
+    from: &str,
+) -> Result<Vec<LayerReveal>, String> {
     let limit = node.cfg.max_message_bytes / 2;
-    reveal_within(&node, req, limit).await.map(|(r, _)| r)
+    reveal_within(&node, req, from, limit).await.map(|(r, _)| r)
 }
 
 /// Reveals rows of several hops this daemon served, one answer per hop; together they stay
@@ -426,6 +454,7 @@ pub async fn serve_reveal(node: Arc<Node>, req: RevealRequest) -> Result<Vec<Lay
 pub async fn serve_reveal_hops(
     node: Arc<Node>,
     reqs: Vec<RevealRequest>,
+    from: &str,
 ) -> Result<Vec<Result<Vec<LayerReveal>, String>>, String> {
     if reqs.is_empty() || reqs.len() > MAX_REVEAL_HOPS {
         return Err(format!(
@@ -436,10 +465,14 @@ pub async fn serve_reveal_hops(
     let mut left = node.cfg.max_message_bytes / 2;
     let mut out = Vec::with_capacity(reqs.len());
     for req in reqs {
-        out.push(reveal_within(&node, req, left).await.map(|(r, bytes)| {
-            left -= bytes;
-            r
-        }));
+        out.push(
+            reveal_within(&node, req, from, left)
+                .await
+                .map(|(r, bytes)| {
+                    left -= bytes;
+                    r
+                }),
+        );
     }
     Ok(out)
 }
@@ -448,6 +481,7 @@ pub async fn serve_reveal_hops(
 async fn reveal_within(
     node: &Arc<Node>,
     req: RevealRequest,
+    from: &str,
     limit: usize,
 ) -> Result<(Vec<LayerReveal>, usize), String> {
     if req.picks.is_empty() || req.picks.len() > MAX_REVEAL_PICKS {
@@ -479,10 +513,10 @@ async fn reveal_within(
         .caches
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .kept(&req.generation, req.step)
+        .kept(&req.generation, req.step, from)
         .ok_or_else(|| {
             format!(
-                "step {} of generation {} is not kept here",
+                "step {} of generation {} is not kept here for {from}",
                 req.step, req.generation
             )
         })?;
@@ -510,10 +544,11 @@ async fn reveal_within(
 }
 
 /// Reveals this daemon's KV cache rows of a generation it serves (every layer it runs it for,
-/// positions `0..end`), for an audit that starts from them.
+/// positions `0..end`), for an audit that starts from them; `from` must be its head.
 pub async fn serve_cache_rows(
     node: Arc<Node>,
     req: CacheRowsRequest,
+    from: &str,
 ) -> Result<Vec<Vec<u8>>, String> {
     #[cfg(feature = "fault-injection")]
     if crate::fault::hides() {
@@ -521,9 +556,12 @@ pub async fn serve_cache_rows(
     }
     let (layers, log) = {
         let caches = node.caches.lock().unwrap_or_else(|e| e.into_inner());
-        caches
-            .log(&req.generation)
-            .ok_or_else(|| format!("no cache rows of generation {} here", req.generation))?
+        caches.log(&req.generation, from).ok_or_else(|| {
+            format!(
+                "no cache rows of generation {} here for {from}",
+                req.generation
+            )
+        })?
     };
     let (from, end) = (req.from as usize, req.end as usize);
     if from > end {
@@ -553,7 +591,11 @@ pub async fn serve_cache_rows(
 /// Audits another stage's hop: replays the inputs into the cache kept for the audit's session
 /// (fresh when they start at position 0, else continuing it), in the same hops, and returns the
 /// trace of the audited (last) hop. The cache stays for the head's next audit of that stage.
-pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace, String> {
+pub async fn serve_audit(
+    node: Arc<Node>,
+    req: AuditRequest,
+    from: &str,
+) -> Result<HopTrace, String> {
     if req.model_id != node.model_id {
         return Err(format!(
             "this daemon serves model {}, not {}",
@@ -585,9 +627,9 @@ pub async fn serve_audit(node: Arc<Node>, req: AuditRequest) -> Result<HopTrace,
         _ => return Err("the audited hop must be the last".into()),
     }
     if let Some(rows) = req.cache {
-        return audit_from_cache(node, req.layers, req.session, rows, hops).await;
+        return audit_from_cache(node, req.layers, req.session, from, rows, hops).await;
     }
-    let (mut cache, _permit) = session_cache(&node, req.session, req.layers, first).await?;
+    let (mut cache, _permit) = session_cache(&node, req.session, from, req.layers, first).await?;
     let replayed = next - first;
     let n2 = node.clone();
     let ran = tokio::task::spawn_blocking(move || {
@@ -629,6 +671,7 @@ async fn audit_from_cache(
     node: Arc<Node>,
     layers: LayerRange,
     session: GenerationId,
+    owner: &str,
     rows: CacheRows,
     hops: Vec<Activations>,
 ) -> Result<HopTrace, String> {
@@ -642,7 +685,8 @@ async fn audit_from_cache(
             ))
         }
     };
-    let (mut cache, _permit) = session_cache(&node, session, layers, rows.from as usize).await?;
+    let (mut cache, _permit) =
+        session_cache(&node, session, owner, layers, rows.from as usize).await?;
     let n2 = node.clone();
     let rows_run = x.rows();
     let ran = tokio::task::spawn_blocking(move || {
@@ -685,11 +729,13 @@ async fn audit_from_cache(
 async fn session_cache(
     node: &Arc<Node>,
     session: GenerationId,
+    owner: &str,
     layers: LayerRange,
     from: usize,
 ) -> Result<(KvCache, tokio::sync::OwnedSemaphorePermit), String> {
     let taken = node.caches.lock().unwrap_or_else(|e| e.into_inner()).take(
         session,
+        owner,
         layers,
         from,
         &node.model_cfg,
@@ -705,5 +751,45 @@ async fn session_cache(
                 .put(session, None);
             Err("shutting down".into())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use super::*;
+
+    fn config() -> dc_model::ModelConfig {
+        let fixture =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/llama");
+        dc_model::model::open_source(&fixture).unwrap().0
+    }
+
+    #[test]
+    fn a_generation_is_its_heads_alone_and_restarting_it_starts_its_chain_over() {
+        let cfg = config();
+        let (g, layers) = (GenerationId([7; 16]), LayerRange::new(0, 2).unwrap());
+        let mut caches = StageCaches::default();
+        let cache = caches.take(g, "head", layers, 0, &cfg, 4).unwrap();
+        assert_eq!(caches.chain(&g), HopRecord::FIRST);
+        let link = Commitment([1; 32]);
+        caches.put_after(g, cache, link);
+        assert_eq!(caches.chain(&g), link);
+        // Another peer that learnt the id (a stage of the same route) can neither continue the
+        // generation, nor start it over, nor end it, nor read it.
+        for start in [0, 5] {
+            let (_, why) = caches.take(g, "other", layers, start, &cfg, 4).unwrap_err();
+            assert!(why.contains("another peer"), "{why}");
+        }
+        assert!(!caches.end(&g, "other"));
+        assert!(caches.log(&g, "other").is_none() && caches.kept(&g, 0, "other").is_none());
+        assert!(caches.log(&g, "head").is_some());
+        assert_eq!(caches.chain(&g), link);
+        // Its head may start it over: a new run, a new chain.
+        let cache = caches.take(g, "head", layers, 0, &cfg, 4).unwrap();
+        assert_eq!(caches.chain(&g), HopRecord::FIRST);
+        caches.put(g, Some(cache));
+        assert!(caches.end(&g, "head") && caches.is_empty());
     }
 }
