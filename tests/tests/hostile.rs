@@ -340,6 +340,46 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     );
     // Garbage on the gossip topic.
     let _ = client.publish(vec![0xff; 100]).await;
+    // Proof claims by the dozen, from a peer of its own: the daemon fetches (and would check)
+    // one at a time from one peer, however many it hears. The claimant never answers, so the
+    // fetch it gets waits for its timeout; before the bound, every claim was fetched at once.
+    // Claims go out in rounds of 40 until the gossip mesh carries them, then 3 s are watched.
+    let (claimant, mut claimant_events) = intruder(topic.clone(), &d.addr, 8 << 20).await;
+    let (mut fetches, mut unanswered, mut watched_from) = (0, Vec::new(), None);
+    let start = tokio::time::Instant::now();
+    for round in 0u8.. {
+        let now = tokio::time::Instant::now();
+        if watched_from.is_some_and(|t| now > t + Duration::from_secs(3))
+            || now > start + Duration::from_secs(20)
+        {
+            break;
+        }
+        if watched_from.is_none() {
+            for i in 0..40u8 {
+                let mut id = [0u8; 32];
+                (id[0], id[1]) = (round, i);
+                let claim = Gossip::Proof {
+                    id: Commitment(id),
+                    accused: "12D3KooWSomebodyElse".into(),
+                };
+                let _ = claimant.publish(encode(&claim, 1 << 16).unwrap()).await;
+            }
+        }
+        let until = tokio::time::Instant::now() + Duration::from_millis(500);
+        while let Ok(Some(ev)) = tokio::time::timeout_at(until, claimant_events.recv()).await {
+            if let NetEvent::StageRequest {
+                request: StageRequest::GetProof { .. },
+                channel,
+                ..
+            } = ev
+            {
+                fetches += 1;
+                unanswered.push(channel);
+                watched_from.get_or_insert(tokio::time::Instant::now());
+            }
+        }
+    }
+    assert_eq!(fetches, 1, "proof fetches from one announcing peer at once");
     let status = d.status();
     assert!(
         status["peers"]

@@ -31,6 +31,8 @@ use crate::view::{coverage, least_served_window, should_move, Participant, Swarm
 const MAX_GENERATION_MESSAGE: usize = 4 << 20;
 /// Largest announcement.
 const MAX_ANNOUNCEMENT: usize = 64 << 10;
+/// Announced proofs fetched and checked at once, at most (one per announcing peer).
+const MAX_PROOF_FETCHES: usize = 4;
 
 /// What this daemon has loaded and serves.
 #[derive(Debug)]
@@ -118,7 +120,8 @@ pub struct Node {
     pub audit_secret: [u8; 32],
     /// Spot-check keys (`W · r`, biases, norms) of the layers this head has checked.
     pub checkers: tokio::sync::Mutex<HashMap<usize, Arc<dc_model::LayerChecker>>>,
-    fetching: Mutex<HashSet<dc_kernels::Commitment>>,
+    /// Proofs being fetched and checked: each id with the peer it is fetched from.
+    fetching: Mutex<HashSet<(dc_kernels::Commitment, String)>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -293,13 +296,18 @@ impl Node {
         if self.is_excluded(&accused) || accused == self.local {
             return;
         }
-        if !self
-            .fetching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id)
         {
-            return;
+            // Bounded: a peer gossiping ids by the thousand would otherwise have this daemon
+            // fetch and check that many proofs at once (each may re-run a layer over a whole
+            // context). One claim per sender at a time, a few in all; a claim dropped here is
+            // heard again from the next peer that checked and gossips it.
+            let mut fetching = self.fetching.lock().unwrap_or_else(|e| e.into_inner());
+            // Keyed by sender too: a peer announcing a real proof's id and never serving it
+            // must not keep the peers that do from being heard.
+            if fetching.len() >= MAX_PROOF_FETCHES || fetching.iter().any(|(_, s)| s == from) {
+                return;
+            }
+            fetching.insert((id, from.to_string()));
         }
         let Ok(peer) = from.parse::<libp2p::PeerId>() else {
             return;
@@ -325,7 +333,7 @@ impl Node {
             node.fetching
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
+                .remove(&(id, from));
         });
     }
 
