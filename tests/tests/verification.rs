@@ -159,6 +159,31 @@ fn a_liar_that_reveals_nothing_is_audited_by_replay() {
 }
 
 #[test]
+fn a_record_off_the_chain_is_not_used_and_proves_nothing() {
+    // The liar computes honestly but signs its records off the generation's chain of inputs,
+    // so no proof could include them: the head must not use its hop (the generation ends,
+    // naming why) and must not exclude it (nothing is proven).
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let (head, honest, liar) = swarm_with_liar(dir.path(), &model, &[], "chain");
+    let out = std::process::Command::new(dcd())
+        .args(["generate", "--api", &head.api, "--prompt-ids", PROMPT])
+        .args(["--max-new-tokens", "4", "--json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the generation went through the liar"
+    );
+    assert!(
+        err.contains(&liar.peer_id) && err.contains("does not continue the generation's chain"),
+        "{err}"
+    );
+    assert!(head.excluded().is_empty() && honest.excluded().is_empty());
+}
+
+#[test]
 fn verify_all_releases_only_checked_tokens() {
     let model = fixtures().join("gpt2");
     let dir = tempfile::tempdir().unwrap();

@@ -16,6 +16,9 @@
 //!   other than the ones the stage committed (and keeps in its cache), and everything after it
 //!   is computed honestly from there: every weight product is consistent with its input, so
 //!   only a check that recomputes the attention sees the lie.
+//! - `chain`: computes honestly but signs records off the generation's chain of inputs
+//!   (`HopRecord::previous`), so that no proof could ever include them: the head must not use
+//!   them (and cannot prove anything by them either).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -44,6 +47,8 @@ pub enum FaultKind {
     Attention,
     /// Flip a bit and refuse to reveal anything.
     Hide,
+    /// Sign records off the chain of inputs.
+    Chain,
 }
 
 /// A configured fault.
@@ -68,10 +73,11 @@ impl std::str::FromStr for Fault {
             "stale" => FaultKind::Stale,
             "attention" => FaultKind::Attention,
             "hide" => FaultKind::Hide,
+            "chain" => FaultKind::Chain,
             _ => {
                 return Err(format!(
                     "fault {k:?}: expected flip-bit, prompt, skip-layer, other-weights, \
-                     stale, attention or hide"
+                     stale, attention, hide or chain"
                 ))
             }
         };
@@ -96,6 +102,18 @@ pub fn set(f: Fault) -> bool {
 /// The fault set by [`set`], else the one in `DCD_FAULT` (read once).
 pub fn configured() -> Option<Fault> {
     *CONFIGURED.get_or_init(|| std::env::var("DCD_FAULT").ok().and_then(|s| s.parse().ok()))
+}
+
+/// The chain a record names for hop `step` of `g`: `previous`, unless this daemon breaks the
+/// chain (`chain`) on this hop.
+pub fn previous(previous: Commitment, g: &GenerationId, step: u64) -> Commitment {
+    match configured() {
+        Some(f) if f.kind == FaultKind::Chain && coin(g, step, 1) < f.fraction as f64 => {
+            tracing::info!("fault: signing step {step} of generation {g} off the chain");
+            Commitment(Domain::HopRecord.hash(&previous.0).0)
+        }
+        _ => previous,
+    }
 }
 
 /// Whether this daemon refuses every reveal (`hide`).
@@ -146,7 +164,8 @@ pub fn run(
     let Some(f) = configured() else {
         return model.run_layers_kept(gemm, x, cache, trace);
     };
-    let honest_hop = f.kind == FaultKind::Prompt && x.rows() == 1;
+    // (`chain` lies in its record, not in what it computes.)
+    let honest_hop = (f.kind == FaultKind::Prompt && x.rows() == 1) || f.kind == FaultKind::Chain;
     if honest_hop || coin(&g, step, 1) >= f.fraction as f64 {
         let (y, kept) = model.run_layers_kept(gemm, x, cache, trace)?;
         last_outputs()
@@ -169,6 +188,12 @@ pub fn run(
                 let i = (coin(&g, step, 2) * y.data.len() as f64) as usize % y.data.len().max(1);
                 y.data[i] = f32::from_bits(y.data[i].to_bits() ^ (1 << 12));
                 set_output(trace, &y);
+                y
+            }
+            // (Returned honest above; here for completeness.)
+            FaultKind::Chain => {
+                let (y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
+                kept = k;
                 y
             }
             FaultKind::Prompt => {

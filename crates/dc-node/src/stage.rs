@@ -395,6 +395,8 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, from: &str, keep: bool) -> Ho
             return refuse(HopErrorKind::Internal, format!("compute task failed: {e}"));
         }
     };
+    #[cfg(feature = "fault-injection")]
+    let previous = crate::fault::previous(previous, &req.generation, req.step);
     match out {
         Ok((y, kept, trace)) => {
             let record = HopRecord {
