@@ -141,8 +141,9 @@ async fn hop_on(
             "peer {peer}: the record commits to other input activations"
         )));
     }
-    // A record off the chain could never be part of a proof: the stage's lies in it would go
-    // unpunished, so it is not used (not a proof either: the head's own view of the chain).
+    // A record off the chain could never be part of a proof, so a lie in its hop would go
+    // unpunished: the hop is not used. Nor does it prove anything against the stage: only this
+    // head knows what the chain should be.
     if r.previous != previous {
         return Err(Stop::Failed(format!(
             "peer {peer}: the record does not continue the generation's chain of inputs"
