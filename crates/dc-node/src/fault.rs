@@ -164,8 +164,7 @@ pub fn run(
     let Some(f) = configured() else {
         return model.run_layers_kept(gemm, x, cache, trace);
     };
-    // (`chain` lies in its record, not in what it computes.)
-    let honest_hop = (f.kind == FaultKind::Prompt && x.rows() == 1) || f.kind == FaultKind::Chain;
+    let honest_hop = f.kind == FaultKind::Prompt && x.rows() == 1;
     if honest_hop || coin(&g, step, 1) >= f.fraction as f64 {
         let (y, kept) = model.run_layers_kept(gemm, x, cache, trace)?;
         last_outputs()
@@ -190,7 +189,7 @@ pub fn run(
                 set_output(trace, &y);
                 y
             }
-            // (Returned honest above; here for completeness.)
+            // Its lie is in the record it signs ([`previous`]), not in what it computes.
             FaultKind::Chain => {
                 let (y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
                 kept = k;

@@ -77,10 +77,7 @@ impl StageCaches {
 
     /// Drops the cache of a finished generation, if `owner` started it.
     pub fn end(&mut self, g: &GenerationId, owner: &str) -> bool {
-        match self.entries.get(g) {
-            Some(e) if e.owner == owner => self.entries.remove(g).is_some(),
-            _ => false,
-        }
+        self.owned(g, owner).is_some() && self.entries.remove(g).is_some()
     }
 
     /// The entry of `g` if `owner` started it.
