@@ -158,29 +158,89 @@ fn a_liar_that_reveals_nothing_is_audited_by_replay() {
     );
 }
 
-#[test]
-fn a_record_off_the_chain_is_not_used_and_proves_nothing() {
-    // The liar computes honestly but signs its records off the generation's chain of inputs,
-    // so no proof could include them: the head must not use its hop (the generation ends,
-    // naming why) and must not exclude it (nothing is proven).
+/// The peers of one route, as `dcd generate --json` lists it.
+fn route_peers(route: &Value) -> Vec<String> {
+    route
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["peer"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Runs a generation through a swarm whose stage for 2..4 that attracts the route (the faulty
+/// peer) misbehaves as `fault` in a way nothing can prove: the head must not use its hop and
+/// must recompute the generation without it on the honest one; the client ends with the
+/// honest tokens, nothing to correct, and no one is excluded. Returns the swarm.
+fn goes_on_without(fault: &str) -> (tempfile::TempDir, Daemon, Daemon, Daemon) {
     let model = fixtures().join("llama");
     let dir = tempfile::tempdir().unwrap();
-    let (head, honest, liar) = swarm_with_liar(dir.path(), &model, &[], "chain");
-    let out = std::process::Command::new(dcd())
-        .args(["generate", "--api", &head.api, "--prompt-ids", PROMPT])
-        .args(["--max-new-tokens", "4", "--json"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the generation went through the liar"
+    let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &[], fault);
+    let want = local(&model, "8", "5", "0.8");
+    let got = through(&head.api, &[], "8", "5", "0.8");
+    assert_eq!(got["tokens"], want["tokens"], "{fault}");
+    assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
+    assert_eq!(got["corrections"], serde_json::json!([]), "{fault}: {got}");
+    let routes = got["routes"].as_array().unwrap();
+    assert_eq!(
+        routes.len(),
+        2,
+        "{fault}: one attempt without the peer: {got}"
     );
+    assert!(route_peers(&routes[0]).contains(&faulty.peer_id), "{got}");
+    let last = route_peers(&routes[1]);
     assert!(
-        err.contains(&liar.peer_id) && err.contains("does not continue the generation's chain"),
-        "{err}"
+        !last.contains(&faulty.peer_id) && last.contains(&honest.peer_id),
+        "{got}"
     );
+    assert_eq!(head.status()["reroutes"], 1, "{fault}");
     assert!(head.excluded().is_empty() && honest.excluded().is_empty());
+    // The head remembers: the next generation goes around the peer from the start.
+    let again = through(&head.api, &[], "8", "5", "0.8");
+    assert_eq!(again["tokens"], want["tokens"], "{fault}");
+    let routes = again["routes"].as_array().unwrap();
+    assert_eq!(routes.len(), 1, "{fault}: {again}");
+    assert!(
+        !route_peers(&routes[0]).contains(&faulty.peer_id),
+        "{again}"
+    );
+    (dir, head, honest, faulty)
+}
+
+#[test]
+fn a_record_off_the_chain_is_not_used_and_proves_nothing() {
+    // The peer computes honestly but signs its records off the generation's chain of inputs,
+    // so no proof could include them: a lie in its hop would go unpunished.
+    let (_dir, head, _honest, faulty) = goes_on_without("chain");
+    assert!(
+        head.log_text()
+            .contains("does not continue the generation's chain"),
+        "the head names why"
+    );
+    assert!(faulty.excluded().is_empty());
+}
+
+#[test]
+fn a_trace_other_than_the_signed_one_is_not_used_and_proves_nothing() {
+    // The peer signs honestly but sends another trace: a proof needs the signed one.
+    let (_dir, head, _honest, _faulty) = goes_on_without("trace");
+    assert!(
+        head.log_text()
+            .contains("the trace's root is not the one signed in the record"),
+        "the head names why"
+    );
+}
+
+#[test]
+fn a_stage_that_leaves_mid_generation_is_replaced_exactly() {
+    // The peer quits at its first one-row hop, after the client holds the first token: the
+    // recomputation on the honest peer gives the same bits, so nothing is corrected.
+    let (_dir, _head, _honest, mut faulty) = goes_on_without("leave");
+    assert_eq!(
+        faulty.child.try_wait().unwrap().and_then(|s| s.code()),
+        Some(3),
+        "the faulty peer left"
+    );
 }
 
 #[test]

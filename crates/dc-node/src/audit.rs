@@ -21,6 +21,7 @@ use tracing::{info, warn};
 
 use crate::node::Node;
 use crate::verify::{build_proof, find_dispute, proof_id, proof_layer, verify_proof};
+use crate::view::Participant;
 
 /// Proofs kept to answer `GetProof` (the oldest go first).
 const MAX_PROOFS: usize = 256;
@@ -144,13 +145,21 @@ pub fn should_audit(
 
 /// A peer (not `accused`, not excluded) whose layers cover `layers`; ourselves if we do.
 pub fn pick_auditor(node: &Node, layers: LayerRange, accused: &str, salt: &[u8]) -> Option<String> {
-    let candidates: Vec<String> = node
-        .participants()
-        .into_iter()
+    pick_auditor_among(&node.participants(), layers, accused, salt)
+}
+
+/// A peer of `participants` (not `accused`) whose layers cover `layers`, chosen by `salt`.
+pub fn pick_auditor_among(
+    participants: &[Participant],
+    layers: LayerRange,
+    accused: &str,
+    salt: &[u8],
+) -> Option<String> {
+    let candidates = participants
+        .iter()
         .filter(|p| p.peer != accused && p.layers.covers(&layers))
-        .map(|p| p.peer)
-        .collect();
-    candidates.into_iter().max_by_key(|p| {
+        .map(|p| p.peer.clone());
+    candidates.max_by_key(|p| {
         let mut h = blake3::Hasher::new();
         h.update(salt);
         h.update(p.as_bytes());

@@ -1,6 +1,7 @@
-//! Test-only lies (compiled with the `fault-injection` feature): a daemon that corrupts a
-//! fraction of its hops in one of four ways, and signs records consistent with its lies, so the
-//! only way to catch it is an audit.
+//! Test-only misbehaviour (compiled with the `fault-injection` feature): a daemon that corrupts
+//! a fraction of its hops in one of the ways below. The lies sign records consistent with
+//! themselves, so the only way to catch them is a check; the last kinds break the protocol in
+//! ways no proof can show, or leave, and the head must go on without them.
 //!
 //! - `flip-bit`: one bit of one output value.
 //! - `prompt`: one bit of one output value of the last row of a prefill hop (a hop of more
@@ -19,6 +20,10 @@
 //! - `chain`: computes honestly but signs records off the generation's chain of inputs
 //!   (`HopRecord::previous`), so that no proof could ever include them: the head must not use
 //!   them (and cannot prove anything by them either).
+//! - `trace`: computes and signs honestly but sends a trace other than the one it signed, which
+//!   the head cannot use and cannot hold against it.
+//! - `leave`: quits abruptly at a one-row hop (as a volunteer's machine switching off in the
+//!   middle of a generation), so the head must recompute without it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -49,6 +54,10 @@ pub enum FaultKind {
     Hide,
     /// Sign records off the chain of inputs.
     Chain,
+    /// Send a trace other than the signed one.
+    Trace,
+    /// Quit in the middle of a generation.
+    Leave,
 }
 
 /// A configured fault.
@@ -74,10 +83,12 @@ impl std::str::FromStr for Fault {
             "attention" => FaultKind::Attention,
             "hide" => FaultKind::Hide,
             "chain" => FaultKind::Chain,
+            "trace" => FaultKind::Trace,
+            "leave" => FaultKind::Leave,
             _ => {
                 return Err(format!(
                     "fault {k:?}: expected flip-bit, prompt, skip-layer, other-weights, \
-                     stale, attention, hide or chain"
+                     stale, attention, hide, chain, trace or leave"
                 ))
             }
         };
@@ -114,6 +125,24 @@ pub fn previous(previous: Commitment, g: &GenerationId, step: u64) -> Commitment
         }
         _ => previous,
     }
+}
+
+/// The trace sent with the record of hop `step` of `g`: `trace`, unless this daemon sends
+/// another one (`trace`) on this hop: one product's commitment changed after signing.
+pub fn sent_trace(mut trace: HopTrace, g: &GenerationId, step: u64) -> HopTrace {
+    if let Some(f) = configured() {
+        if f.kind == FaultKind::Trace && coin(g, step, 1) < f.fraction as f64 {
+            tracing::info!("fault: sending step {step} of generation {g} with another trace");
+            if let Some(e) = trace
+                .entries
+                .iter_mut()
+                .find(|e| e.point != Point::Input && e.point != Point::Output)
+            {
+                e.commitment = Commitment(Domain::HopRecord.hash(&e.commitment.0).0);
+            }
+        }
+    }
+    trace
 }
 
 /// Whether this daemon refuses every reveal (`hide`).
@@ -164,7 +193,8 @@ pub fn run(
     let Some(f) = configured() else {
         return model.run_layers_kept(gemm, x, cache, trace);
     };
-    let honest_hop = f.kind == FaultKind::Prompt && x.rows() == 1;
+    let honest_hop = (f.kind == FaultKind::Prompt && x.rows() == 1)
+        || (f.kind == FaultKind::Leave && x.rows() > 1);
     if honest_hop || coin(&g, step, 1) >= f.fraction as f64 {
         let (y, kept) = model.run_layers_kept(gemm, x, cache, trace)?;
         last_outputs()
@@ -189,8 +219,13 @@ pub fn run(
                 set_output(trace, &y);
                 y
             }
-            // Its lie is in the record it signs ([`previous`]), not in what it computes.
-            FaultKind::Chain => {
+            FaultKind::Leave => {
+                tracing::warn!("fault: leaving at step {step} of generation {g}");
+                std::process::exit(3)
+            }
+            // Their lie is in the record they sign ([`previous`]) or the trace they send
+            // ([`sent_trace`]), not in what they compute.
+            FaultKind::Chain | FaultKind::Trace => {
                 let (y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
                 kept = k;
                 y

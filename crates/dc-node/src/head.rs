@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::audit::{
-    accept_proof, audit, pick_auditor, referee, should_audit, AuditSession, StageLog,
+    accept_proof, audit, pick_auditor_among, referee, should_audit, AuditSession, StageLog,
 };
 use crate::node::Node;
 use crate::spot;
@@ -48,8 +48,28 @@ fn sampling(req: &GenerationRequest) -> SamplingParams {
 enum Stop {
     /// A stage was proven to lie: recompute without it.
     Liar(String),
+    /// A peer's answer to a hop could not be used (it failed, refused, went away, or broke the
+    /// protocol in a way no proof can show): recompute without it, excluding no one.
+    Unusable {
+        /// The peer.
+        peer: String,
+        /// What was wrong, for the logs and the final error.
+        why: String,
+        /// Whether later generations should avoid the peer for a while too (not when it was
+        /// only busy).
+        remember: bool,
+    },
     /// Anything else ends the generation.
     Failed(String),
+}
+
+/// The answer of `peer` could not be used because of `why`.
+fn unusable(peer: &str, why: String) -> Stop {
+    Stop::Unusable {
+        peer: peer.to_string(),
+        why,
+        remember: true,
+    }
 }
 
 impl From<String> for Stop {
@@ -90,18 +110,20 @@ async fn hop_on(
     } else {
         let p: libp2p::PeerId = peer
             .parse()
-            .map_err(|e| format!("route peer {peer}: {e}"))?;
+            .map_err(|e| unusable(peer, format!("route peer {peer}: {e}")))?;
         match node.client.stage_request(p, StageRequest::Hop(req)).await {
             Ok(StageResponse::Hop(r)) => *r,
             Ok(_) => {
-                return Err(Stop::Failed(format!(
-                    "peer {peer} answered a hop with something else"
-                )))
+                return Err(unusable(
+                    peer,
+                    format!("peer {peer} answered a hop with something else"),
+                ))
             }
             Err(e) => {
-                return Err(Stop::Failed(format!(
-                    "hop to {peer} (layers {layers}) failed: {e}"
-                )))
+                return Err(unusable(
+                    peer,
+                    format!("hop to {peer} (layers {layers}) failed: {e}"),
+                ))
             }
         }
     };
@@ -112,47 +134,54 @@ async fn hop_on(
             trace,
         } => (activations, record, trace),
         HopResponse::Refused { kind, message } => {
-            return Err(Stop::Failed(format!(
-                "peer {peer} refused layers {layers}: {kind:?}: {message}"
-            )))
+            return Err(Stop::Unusable {
+                peer: peer.to_string(),
+                why: format!("peer {peer} refused layers {layers}: {kind:?}: {message}"),
+                remember: kind != dc_types::HopErrorKind::Overloaded,
+            })
         }
     };
     let signer = dc_net::signing::verify(dc_types::HOP_RECORD_KIND, &record)
-        .map_err(|e| format!("peer {peer}: bad hop record: {e}"))?;
+        .map_err(|e| unusable(peer, format!("peer {peer}: bad hop record: {e}")))?;
     if signer.to_string() != peer {
-        return Err(Stop::Failed(format!(
-            "peer {peer} sent a record signed by {signer}"
-        )));
+        return Err(unusable(
+            peer,
+            format!("peer {peer} sent a record signed by {signer}"),
+        ));
     }
     let y = from_wire(
         activations,
         node.model_cfg.hidden_size,
         node.model_cfg.max_positions,
     )
-    .map_err(|e| format!("peer {peer}: {e}"))?;
+    .map_err(|e| unusable(peer, format!("peer {peer}: {e}")))?;
     let r = &record.body;
     if r.generation != g || r.step != step || r.layers != layers {
-        return Err(Stop::Failed(format!(
-            "peer {peer}: the record is for another hop"
-        )));
+        return Err(unusable(
+            peer,
+            format!("peer {peer}: the record is for another hop"),
+        ));
     }
     if r.input != x.commitment() {
-        return Err(Stop::Failed(format!(
-            "peer {peer}: the record commits to other input activations"
-        )));
+        return Err(unusable(
+            peer,
+            format!("peer {peer}: the record commits to other input activations"),
+        ));
     }
     // A record off the chain could never be part of a proof, so a lie in its hop would go
-    // unpunished: the hop is not used. Nor does it prove anything against the stage: only this
-    // head knows what the chain should be.
+    // unpunished: the hop is not used (the generation goes on without this peer). Nor does it
+    // prove anything against the stage: only this head knows what the chain should be.
     if r.previous != previous {
-        return Err(Stop::Failed(format!(
-            "peer {peer}: the record does not continue the generation's chain of inputs"
-        )));
+        return Err(unusable(
+            peer,
+            format!("peer {peer}: the record does not continue the generation's chain of inputs"),
+        ));
     }
     if r.output != y.commitment() || y.start != x.start || y.rows() != x.rows() {
-        return Err(Stop::Failed(format!(
-            "peer {peer}: the activations do not match its record"
-        )));
+        return Err(unusable(
+            peer,
+            format!("peer {peer}: the activations do not match its record"),
+        ));
     }
     if let Err(e) = check_consistency(r, &trace) {
         let proof = FraudProof {
@@ -167,7 +196,7 @@ async fn hop_on(
         if accept_proof(node.clone(), proof, true).await {
             return Err(Stop::Liar(peer.to_string()));
         }
-        return Err(Stop::Failed(format!("peer {peer}: {e}")));
+        return Err(unusable(peer, format!("peer {peer}: {e}")));
     }
     Ok(HopResult {
         output: y,
@@ -408,10 +437,13 @@ async fn readout(node: &Arc<Node>, x: Activations) -> Result<Vec<f32>, String> {
     .map_err(|e| e.to_string())?
 }
 
+/// Plans attempt `g`'s route (and `--verify all`'s second peers) among the participants, leaving
+/// out the peers in `avoid` (whose answers this generation could not use).
 fn plan(
     node: &Arc<Node>,
     req: &GenerationRequest,
     g: &GenerationId,
+    avoid: &[(String, String)],
 ) -> Result<(Vec<RouteHop>, Option<Shadows>), String> {
     if req.model_id != node.model_id {
         return Err(format!(
@@ -423,12 +455,22 @@ fn plan(
     if !serving.head {
         return Err("this daemon does not hold the head weights".into());
     }
-    let route = plan_route(
-        g,
-        node.model_cfg.num_layers as u32,
-        &node.local,
-        &node.participants(),
-    )?;
+    let mut participants = node.participants();
+    participants.retain(|p| !avoid.iter().any(|(peer, _)| *peer == p.peer));
+    let left_out = || {
+        avoid
+            .iter()
+            .map(|(_, why)| format!("; left out: {why}"))
+            .collect::<String>()
+    };
+    // Peers whose hops recently could not be used are a last resort.
+    let recent = node.recently_unusable();
+    let mut preferred = participants.clone();
+    preferred.retain(|p| !recent.contains(&p.peer));
+    let layers = node.model_cfg.num_layers as u32;
+    let route = plan_route(g, layers, &node.local, &preferred)
+        .or_else(|_| plan_route(g, layers, &node.local, &participants))
+        .map_err(|e| e + &left_out())?;
     let shadows = match req.verify {
         VerifyMode::All => Some(
             route
@@ -438,12 +480,15 @@ fn plan(
                         // The head trusts its own arithmetic.
                         return Ok(None);
                     }
-                    pick_auditor(node, h.layers, &h.peer, &g.0)
+                    pick_auditor_among(&preferred, h.layers, &h.peer, &g.0)
+                        .or_else(|| pick_auditor_among(&participants, h.layers, &h.peer, &g.0))
                         .map(Some)
                         .ok_or_else(|| {
                             format!(
-                                "--verify all needs a second peer serving layers {} (only {} does)",
-                                h.layers, h.peer
+                                "--verify all needs a second peer serving layers {} (only {} does){}",
+                                h.layers,
+                                h.peer,
+                                left_out()
                             )
                         })
                 })
@@ -483,9 +528,12 @@ async fn drive(
     tx: &mpsc::Sender<GenerationEvent>,
 ) -> Result<GenerationEvent, String> {
     let mut delivered: Vec<u32> = Vec::new();
+    // Peers whose answers this generation could not use, and why: later attempts go without
+    // them. Not an exclusion (nothing is proven, and other generations still use them).
+    let mut avoid: Vec<(String, String)> = Vec::new();
     for n in 0..MAX_ATTEMPTS {
         let g = attempt_id(&req.generation, n);
-        let (route, shadows) = plan(node, req, &g)?;
+        let (route, shadows) = plan(node, req, &g, &avoid)?;
         info!(
             "heading generation {g}: route {}",
             route
@@ -546,12 +594,33 @@ async fn drive(
                 );
                 continue;
             }
+            (
+                Err(Stop::Unusable {
+                    peer,
+                    why,
+                    remember,
+                }),
+                None,
+            ) => {
+                warn!(
+                    "generation {}: recomputing without {peer}: {why}",
+                    req.generation
+                );
+                node.stats
+                    .reroutes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if remember && peer != node.local {
+                    node.mark_unusable(&peer);
+                }
+                avoid.push((peer, why));
+            }
             (Ok(ev), None) => return Ok(ev),
             (Err(Stop::Failed(m)), None) | (Err(Stop::Liar(m)), None) => return Err(m),
         }
     }
+    let why: String = avoid.iter().map(|(_, why)| format!("; {why}")).collect();
     Err(format!(
-        "gave up after {MAX_ATTEMPTS} recomputations: too many liars"
+        "gave up after {MAX_ATTEMPTS} attempts: too many peers lied or failed{why}"
     ))
 }
 

@@ -62,6 +62,8 @@ pub struct Stats {
     pub exclusions: AtomicU64,
     /// Tokens corrected after a liar was found.
     pub corrections: AtomicU64,
+    /// Attempts restarted without a peer whose answer to a hop could not be used.
+    pub reroutes: AtomicU64,
     /// Positions replayed to audit other stages.
     pub audit_positions: AtomicU64,
 }
@@ -122,7 +124,15 @@ pub struct Node {
     pub checkers: tokio::sync::Mutex<HashMap<usize, Arc<dc_model::LayerChecker>>>,
     /// Proofs being fetched and checked: each id with the peer it is fetched from.
     fetching: Mutex<HashSet<(dc_kernels::Commitment, String)>>,
+    /// Peers whose hops a generation headed here could not use, and when (see
+    /// [`Node::recently_unusable`]).
+    unusable: Mutex<HashMap<String, Instant>>,
 }
+
+/// How long routes avoid a peer whose hop could not be used, when they can.
+pub const UNUSABLE_FOR: Duration = Duration::from_secs(600);
+/// Most such peers remembered (the oldest is forgotten first).
+const MAX_UNUSABLE: usize = 256;
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -203,6 +213,30 @@ impl Node {
         {
             info!("{}", msg());
         }
+    }
+
+    /// Notes that a hop of `peer` could not be used (it failed, or broke the protocol in a way
+    /// nothing proves).
+    pub fn mark_unusable(&self, peer: &str) {
+        let mut m = self.unusable.lock().unwrap_or_else(|e| e.into_inner());
+        m.retain(|_, at| at.elapsed() < UNUSABLE_FOR);
+        if m.len() >= MAX_UNUSABLE && !m.contains_key(peer) {
+            if let Some(oldest) = m.iter().min_by_key(|(_, at)| **at).map(|(p, _)| p.clone()) {
+                m.remove(&oldest);
+            }
+        }
+        m.insert(peer.to_string(), Instant::now());
+    }
+
+    /// Peers whose hops could not be used in the last [`UNUSABLE_FOR`]: a head routes around
+    /// them when it can, and through them when nothing else serves their layers (this is not
+    /// an exclusion: nothing is proven, and an honest peer can fail once).
+    pub fn recently_unusable(&self) -> Vec<String> {
+        let m = self.unusable.lock().unwrap_or_else(|e| e.into_inner());
+        m.iter()
+            .filter(|(_, at)| at.elapsed() < UNUSABLE_FOR)
+            .map(|(p, _)| p.clone())
+            .collect()
     }
 
     /// Whether `peer` was proven to lie.
@@ -507,6 +541,7 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         audit_secret: crate::audit::new_secret(local.to_bytes().as_slice()),
         checkers: tokio::sync::Mutex::new(HashMap::new()),
         fetching: Mutex::new(HashSet::new()),
+        unusable: Mutex::new(HashMap::new()),
         cfg,
     });
     println!("peer id {local}");

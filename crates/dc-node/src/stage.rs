@@ -412,6 +412,8 @@ async fn run_hop(node: Arc<Node>, req: HopRequest, from: &str, keep: bool) -> Ho
                 }
                 caches.put_after(req.generation, cache, record.chain());
             }
+            #[cfg(feature = "fault-injection")]
+            let trace = crate::fault::sent_trace(trace, &req.generation, req.step);
             node.stats
                 .hops
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -73,6 +73,7 @@ pub fn status(node: &Node) -> Value {
         "audits": audits,
         "excluded_peers": excluded,
         "corrections": node.stats.corrections.load(Ordering::Relaxed),
+        "reroutes": node.stats.reroutes.load(Ordering::Relaxed),
         "peers": peers,
     })
 }

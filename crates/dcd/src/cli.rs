@@ -142,7 +142,8 @@ pub struct JoinArgs {
     #[arg(long, value_name = "RATE|auto")]
     pub spot_check_rate: Option<dc_node::SpotRate>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
-    /// all) by flip-bit, prompt, skip-layer, other-weights, stale, attention, hide or chain.
+    /// all) by flip-bit, prompt, skip-layer, other-weights, stale, attention, hide, chain,
+    /// trace or leave.
     #[arg(long, value_name = "KIND[:FRACTION]", hide = !dc_node::FAULT_INJECTION)]
     pub fault: Option<String>,
 }

@@ -160,6 +160,8 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
         .map(|v| json!(v))
         .unwrap_or(Value::Null);
     let mut corrections: Vec<Value> = Vec::new();
+    // Every route the head tried: more than one when it recomputed without a peer.
+    let mut routes: Vec<Value> = Vec::new();
     let mut line = String::new();
     loop {
         line.clear();
@@ -173,6 +175,7 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                 if let Some(p) = ev.get("prompt_ids") {
                     prompt_ids = p.clone();
                 }
+                routes.push(ev["route"].clone());
             }
             Some("token") if !a.json => {
                 match ev["text"].as_str() {
@@ -207,6 +210,7 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                         "stop": ev["stop"],
                         "final_logits": ev["final_logits"],
                         "corrections": corrections,
+                        "routes": routes,
                     });
                     writeln!(stdout, "{out}")?;
                 } else {
