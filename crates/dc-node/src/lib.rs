@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod audit;
+pub mod claims;
 pub mod config;
 #[cfg(feature = "fault-injection")]
 pub mod fault;

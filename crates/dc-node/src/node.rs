@@ -21,6 +21,7 @@ use libp2p::Multiaddr;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tracing::{info, warn};
 
+use crate::claims::{Claim, ClaimQueue, IGNORE_FALSE_CLAIMANT};
 use crate::config::{LayerChoice, NodeConfig};
 use crate::head::{run_as_head, EVENT_QUEUE};
 use crate::memory::{head_bytes, layer_bytes, layers_that_fit};
@@ -31,8 +32,9 @@ use crate::view::{coverage, least_served_window, should_move, Participant, Swarm
 const MAX_GENERATION_MESSAGE: usize = 4 << 20;
 /// Largest announcement.
 const MAX_ANNOUNCEMENT: usize = 64 << 10;
-/// Announced proofs fetched and checked at once, at most (one per announcing peer).
-const MAX_PROOF_FETCHES: usize = 4;
+/// How long a proof's holder has to send it (a lookup on its side; the proof is within the
+/// message limit).
+const PROOF_FETCH_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What this daemon has loaded and serves.
 #[derive(Debug)]
@@ -122,8 +124,8 @@ pub struct Node {
     pub audit_secret: [u8; 32],
     /// Spot-check keys (`W · r`, biases, norms) of the layers this head has checked.
     pub checkers: tokio::sync::Mutex<HashMap<usize, Arc<dc_model::LayerChecker>>>,
-    /// Proofs being fetched and checked: each id with the peer it is fetched from.
-    fetching: Mutex<HashSet<(dc_kernels::Commitment, String)>>,
+    /// Gossiped proof claims being fetched and checked, and those waiting their turn.
+    claims: Mutex<ClaimQueue>,
     /// Peers whose hops a generation headed here could not use, and when (see
     /// [`Node::recently_unusable`]).
     unusable: Mutex<HashMap<String, Instant>>,
@@ -320,7 +322,8 @@ impl Node {
         }
     }
 
-    /// A peer says it holds a proof: fetch it, check it ourselves, exclude if it holds.
+    /// A peer says it holds a proof: fetch it, check it ourselves, exclude if it holds (in
+    /// turn: see [`ClaimQueue`]).
     fn on_proof_announced(
         self: &Arc<Self>,
         from: &str,
@@ -330,44 +333,66 @@ impl Node {
         if self.is_excluded(&accused) || accused == self.local {
             return;
         }
-        {
-            // Bounded: a peer gossiping ids by the thousand would otherwise have this daemon
-            // fetch and check that many proofs at once (each may re-run a layer over a whole
-            // context). One claim per sender at a time, a few in all; a claim dropped here is
-            // heard again from the next peer that checked and gossips it.
-            let mut fetching = self.fetching.lock().unwrap_or_else(|e| e.into_inner());
-            // Keyed by sender too: a peer announcing a real proof's id and never serving it
-            // must not keep the peers that do from being heard.
-            if fetching.len() >= MAX_PROOF_FETCHES || fetching.iter().any(|(_, s)| s == from) {
-                return;
-            }
-            fetching.insert((id, from.to_string()));
-        }
-        let Ok(peer) = from.parse::<libp2p::PeerId>() else {
-            return;
+        let claim = Claim {
+            id,
+            from: from.to_string(),
+            accused,
         };
-        let (node, from) = (self.clone(), from.to_string());
+        let start = self
+            .claims
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .offer(claim, Instant::now());
+        if let Some(claim) = start {
+            self.fetch_claim(claim);
+        }
+    }
+
+    /// Fetches and checks the proof of `claim`, then starts the claims waiting for its slot.
+    fn fetch_claim(self: &Arc<Self>, claim: Claim) {
+        let node = self.clone();
         tokio::spawn(async move {
-            let got = node
-                .client
-                .stage_request(peer, StageRequest::GetProof { id })
-                .await;
-            let ok = match got {
-                Ok(StageResponse::Proof(p)) => match *p {
-                    Some(p) if crate::verify::proof_id(&p) == id && p.accused == accused => {
-                        crate::audit::accept_proof(node.clone(), p, true).await
+            let held = match claim.from.parse::<libp2p::PeerId>() {
+                Ok(peer) => {
+                    let request = StageRequest::GetProof { id: claim.id };
+                    let got = tokio::time::timeout(
+                        PROOF_FETCH_TIMEOUT,
+                        node.client.stage_request(peer, request),
+                    )
+                    .await;
+                    match got {
+                        Ok(Ok(StageResponse::Proof(p))) => match *p {
+                            Some(p)
+                                if crate::verify::proof_id(&p) == claim.id
+                                    && p.accused == claim.accused =>
+                            {
+                                crate::audit::accept_proof(node.clone(), p, true).await
+                            }
+                            _ => false,
+                        },
+                        _ => false,
                     }
-                    _ => false,
-                },
-                _ => false,
+                }
+                Err(_) => false,
             };
-            if !ok {
-                info!("ignoring {from}'s claim against {accused}: no valid proof");
+            if !held {
+                info!(
+                    "ignoring {}'s claim against {} (and its claims for {} s): no valid proof",
+                    claim.from,
+                    claim.accused,
+                    IGNORE_FALSE_CLAIMANT.as_secs()
+                );
             }
-            node.fetching
+            let next = node
+                .claims
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .remove(&(id, from));
+                .finish(&claim, held, Instant::now(), |c| {
+                    node.is_excluded(&c.accused)
+                });
+            for c in next {
+                node.fetch_claim(c);
+            }
         });
     }
 
@@ -540,7 +565,7 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         referee_gate: tokio::sync::Mutex::new(()),
         audit_secret: crate::audit::new_secret(local.to_bytes().as_slice()),
         checkers: tokio::sync::Mutex::new(HashMap::new()),
-        fetching: Mutex::new(HashSet::new()),
+        claims: Mutex::new(ClaimQueue::default()),
         unusable: Mutex::new(HashMap::new()),
         cfg,
     });
