@@ -78,12 +78,13 @@ pub fn render(status: &Value, view: &View, area: Rect, buf: &mut Buffer) -> usiz
 /// Height of the "Work" block when it sits under "This peer" (narrow terminals).
 fn work_height(s: &Value) -> u16 {
     let audits = usize::from(s.get("audits").is_some_and(|a| !a.is_null()));
+    let redone = usize::from(s.get("reroutes").is_some_and(|r| !r.is_null()));
     let excluded = if s.get("excluded_peers").is_some_and(|e| !e.is_null()) {
         1 + excluded_peers(s).len().min(4)
     } else {
         0
     };
-    (2 + 4 + audits + excluded) as u16
+    (2 + 4 + audits + redone + excluded) as u16
 }
 
 /// The rows a `--once` rendering needs to show everything.
@@ -419,6 +420,18 @@ fn work_panel(s: &Value, rows: usize) -> Paragraph<'static> {
     ];
     if let Some(a) = s.get("audits").filter(|a| !a.is_null()) {
         lines.push(audits_line(a));
+    }
+    // Generations recomputed: without a peer whose hop could not be used, or after a proven
+    // lie changed tokens already sent.
+    if let Some(r) = s.get("reroutes").filter(|r| !r.is_null()) {
+        lines.push(Line::from(vec![
+            label("redone"),
+            Span::raw(format!(
+                "rerouted {} · corrected {}",
+                text(r),
+                text(&s["corrections"])
+            )),
+        ]));
     }
     let excluded = excluded_peers(s);
     if s.get("excluded_peers").is_some_and(|e| !e.is_null()) {
@@ -1045,9 +1058,12 @@ mod tests {
             B: {"run": 6, "passed": 5, "failed": 1},
         }});
         s["excluded_peers"] = json!([{"peer_id": B, "reason": "fraud proof"}]);
+        s["reroutes"] = json!(2);
+        s["corrections"] = json!(1);
         let (t, _) = draw(&s, &View::default(), 140, 40);
         let text = screen(&t);
         assert!(text.contains("run 12 · passed 11 · failed 1"), "{text}");
+        assert!(text.contains("rerouted 2 · corrected 1"), "{text}");
         // The per-peer table is not dumped into the counters.
         assert!(!text.contains("per_peer"), "{text}");
         assert!(text.contains("1 peers"), "{text}");
