@@ -244,6 +244,59 @@ fn a_stage_that_leaves_mid_generation_is_replaced_exactly() {
 }
 
 #[test]
+fn the_client_is_told_when_the_route_changes() {
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &[], "trace");
+    let out = std::process::Command::new(dcd())
+        .args(["generate", "--api", &head.api, "--prompt-ids", PROMPT])
+        .args(["--max-new-tokens", "4"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let said = err
+        .lines()
+        .find(|l| l.starts_with("[recomputing on another route: "))
+        .unwrap_or_else(|| panic!("nothing said: {err}"));
+    assert!(
+        said.contains(&format!("2..4@{}", honest.peer_id)) && !said.contains(&faulty.peer_id),
+        "{said}"
+    );
+}
+
+#[test]
+fn verify_all_goes_on_without_a_peer_that_leaves() {
+    // Under --verify all the peer that leaves is one of a hop's two; the recomputation pairs
+    // the two honest peers instead, and releases the same tokens.
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &[], "leave");
+    let honest2 = Daemon::start(
+        dir.path(),
+        "honest2",
+        &model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &head.addr],
+    );
+    wait_until("the second honest peer", Duration::from_secs(30), || {
+        head.sees_serving(3)
+    });
+    let got = through(&head.api, &["--verify", "all"], "8", "5", "0.8");
+    let want = local(&model, "8", "5", "0.8");
+    assert_eq!(got["tokens"], want["tokens"]);
+    assert_eq!(got["final_logits"], want["final_logits"]);
+    assert_eq!(got["corrections"], serde_json::json!([]), "{got}");
+    let routes = got["routes"].as_array().unwrap();
+    assert_eq!(routes.len(), 2, "{got}");
+    assert!(route_peers(&routes[0]).contains(&faulty.peer_id), "{got}");
+    let last = route_peers(&routes[1]);
+    assert!(!last.contains(&faulty.peer_id), "{got}");
+    assert!(last.contains(&honest.peer_id) || last.contains(&honest2.peer_id));
+    assert!(head.excluded().is_empty());
+    assert_eq!(head.status()["reroutes"], 1);
+}
+
+#[test]
 fn verify_all_releases_only_checked_tokens() {
     let model = fixtures().join("gpt2");
     let dir = tempfile::tempdir().unwrap();

@@ -176,6 +176,20 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                     prompt_ids = p.clone();
                 }
                 routes.push(ev["route"].clone());
+                // A later route: the head went on without a peer it could not use (or a proven
+                // liar); the tokens so far come again only if they change.
+                if routes.len() > 1 && !a.json {
+                    let hops: Vec<String> = ev["route"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|h| {
+                            let (layers, peer) = (h["layers"].as_str(), h["peer"].as_str());
+                            format!("{}@{}", layers.unwrap_or("?"), peer.unwrap_or("?"))
+                        })
+                        .collect();
+                    eprintln!("[recomputing on another route: {}]", hops.join(" → "));
+                }
             }
             Some("token") if !a.json => {
                 match ev["text"].as_str() {
