@@ -170,12 +170,16 @@ fn route_peers(route: &Value) -> Vec<String> {
 
 /// Runs a generation through a swarm whose stage for 2..4 that attracts the route (the faulty
 /// peer) misbehaves as `fault` in a way nothing can prove: the head must not use its hop and
-/// must recompute the generation without it on the honest one; the client ends with the
-/// honest tokens, nothing to correct, and no one is excluded. Returns the swarm.
+/// must hand the layers to the honest peer, which replays the stage's inputs so far, without
+/// redoing any other stage's work; the client ends with the honest tokens, nothing to
+/// correct, and no one is excluded. Returns the swarm.
 fn goes_on_without(fault: &str) -> (tempfile::TempDir, Daemon, Daemon, Daemon) {
     let model = fixtures().join("llama");
     let dir = tempfile::tempdir().unwrap();
-    let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &[], fault);
+    // Every hop audited and spot-checked: the replayed hops are checked like any other, and an
+    // honest replay never fails a check.
+    let every = ["--audit-rate", "1", "--spot-check-rate", "1"];
+    let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &every, fault);
     let want = local(&model, "8", "5", "0.8");
     let got = through(&head.api, &[], "8", "5", "0.8");
     assert_eq!(got["tokens"], want["tokens"], "{fault}");
@@ -193,8 +197,28 @@ fn goes_on_without(fault: &str) -> (tempfile::TempDir, Daemon, Daemon, Daemon) {
         !last.contains(&faulty.peer_id) && last.contains(&honest.peer_id),
         "{got}"
     );
-    assert_eq!(head.status()["reroutes"], 1, "{fault}");
+    let status = head.status();
+    assert_eq!(status["stages_replaced"], 1, "{fault}");
+    assert_eq!(status["reroutes"], 0, "{fault}: nothing recomputed whole");
+    // The head's own stage ran every step once, as the honest peer did (replayed, then on).
+    assert_eq!(
+        status["hops_served"],
+        honest.status()["hops_served"],
+        "{fault}"
+    );
     assert!(head.excluded().is_empty() && honest.excluded().is_empty());
+    let audits = &status["audits"];
+    // Each of the honest peer's 8 hops was audited, or found its auditor (the faulty peer, the
+    // only other one serving 2..4) gone.
+    let audited = audits["per_peer"][&honest.peer_id]["run"]
+        .as_u64()
+        .unwrap_or(0)
+        + audits["unavailable"].as_u64().unwrap();
+    assert!(audited >= 8, "{fault}: {audits}");
+    assert_eq!(audits["failed"], 0, "{fault}: {audits}");
+    let spot = &audits["spot_checks"];
+    assert!(spot["run"].as_u64().unwrap() > 0, "{fault}: {audits}");
+    assert_eq!(spot["failed"], 0, "{fault}: {audits}");
     // The head remembers: the next generation goes around the peer from the start.
     let again = through(&head.api, &[], "8", "5", "0.8");
     assert_eq!(again["tokens"], want["tokens"], "{fault}");
@@ -244,6 +268,36 @@ fn a_stage_that_leaves_mid_generation_is_replaced_exactly() {
 }
 
 #[test]
+fn a_liar_that_leaves_is_still_caught_and_its_lie_not_built_on() {
+    // The peer lies on the prompt hop, then leaves. The honest peer taking its layers over
+    // replays that hop and gets another output than the one signed: the head must not go on
+    // from the lie but recompute the generation, and the audit of the prompt hop proves it.
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let every = ["--audit-rate", "1"];
+    let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &every, "flip-leave");
+    let want = local(&model, "8", "5", "0.8");
+    let got = through(&head.api, &[], "8", "5", "0.8");
+    assert_eq!(got["tokens"], want["tokens"]);
+    assert_eq!(got["final_logits"], want["final_logits"]);
+    assert!(
+        head.log_text().contains(&format!(
+            "{} and {} disagree",
+            honest.peer_id, faulty.peer_id
+        )),
+        "the replay's disagreement is logged"
+    );
+    assert_eq!(head.status()["stages_replaced"], 1);
+    assert_eq!(head.excluded(), vec![faulty.peer_id.clone()]);
+    let routes = got["routes"].as_array().unwrap();
+    let last = route_peers(routes.last().unwrap());
+    assert!(
+        !last.contains(&faulty.peer_id) && last.contains(&honest.peer_id),
+        "{got}"
+    );
+}
+
+#[test]
 fn the_client_is_told_when_the_route_changes() {
     let model = fixtures().join("llama");
     let dir = tempfile::tempdir().unwrap();
@@ -257,7 +311,7 @@ fn the_client_is_told_when_the_route_changes() {
     assert!(out.status.success(), "{err}");
     let said = err
         .lines()
-        .find(|l| l.starts_with("[recomputing on another route: "))
+        .find(|l| l.starts_with("[the route changed: "))
         .unwrap_or_else(|| panic!("nothing said: {err}"));
     assert!(
         said.contains(&format!("2..4@{}", honest.peer_id)) && !said.contains(&faulty.peer_id),

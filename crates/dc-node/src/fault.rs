@@ -23,7 +23,9 @@
 //! - `trace`: computes and signs honestly but sends a trace other than the one it signed, which
 //!   the head cannot use and cannot hold against it.
 //! - `leave`: quits abruptly at a one-row hop (as a volunteer's machine switching off in the
-//!   middle of a generation), so the head must recompute without it.
+//!   middle of a generation), so the head must go on without it.
+//! - `flip-leave`: flips a bit like `flip-bit` on its prefill hops, then leaves like `leave`:
+//!   the peer taking its layers over replays other outputs than the ones it signed.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -58,6 +60,8 @@ pub enum FaultKind {
     Trace,
     /// Quit in the middle of a generation.
     Leave,
+    /// Lie on the prefill, then quit.
+    FlipLeave,
 }
 
 /// A configured fault.
@@ -85,10 +89,11 @@ impl std::str::FromStr for Fault {
             "chain" => FaultKind::Chain,
             "trace" => FaultKind::Trace,
             "leave" => FaultKind::Leave,
+            "flip-leave" => FaultKind::FlipLeave,
             _ => {
                 return Err(format!(
                     "fault {k:?}: expected flip-bit, prompt, skip-layer, other-weights, \
-                     stale, attention, hide, chain, trace or leave"
+                     stale, attention, hide, chain, trace, leave or flip-leave"
                 ))
             }
         };
@@ -211,17 +216,15 @@ pub fn run(
     let layers = cache.layers();
     let y =
         match f.kind {
-            FaultKind::FlipBit | FaultKind::Hide => {
+            FaultKind::Leave => leave(&g, step),
+            FaultKind::FlipLeave if x.rows() == 1 => leave(&g, step),
+            FaultKind::FlipBit | FaultKind::Hide | FaultKind::FlipLeave => {
                 let (mut y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
                 kept = k;
                 let i = (coin(&g, step, 2) * y.data.len() as f64) as usize % y.data.len().max(1);
                 y.data[i] = f32::from_bits(y.data[i].to_bits() ^ (1 << 12));
                 set_output(trace, &y);
                 y
-            }
-            FaultKind::Leave => {
-                tracing::warn!("fault: leaving at step {step} of generation {g}");
-                std::process::exit(3)
             }
             // Their lie is in the record they sign ([`previous`]) or the trace they send
             // ([`sent_trace`]), not in what they compute.
@@ -307,6 +310,12 @@ pub fn run(
         .unwrap_or_else(|e| e.into_inner())
         .insert(g, y.clone());
     Ok((y, kept))
+}
+
+/// Quits the process at once, as a machine switching off would (exit code 3).
+fn leave(g: &GenerationId, step: u64) -> ! {
+    tracing::warn!("fault: leaving at step {step} of generation {g}");
+    std::process::exit(3)
 }
 
 /// Swaps `layer`'s cache for one whose first key and first value of the last position held

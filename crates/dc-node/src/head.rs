@@ -252,6 +252,13 @@ struct Attempt {
     pending: Vec<Vec<spot::HopPicks>>,
     rate: f32,
     spot_rate: crate::SpotRate,
+    /// Peers whose answers this generation could not use, and why (kept across attempts).
+    avoid: Vec<(String, String)>,
+    /// Peers that served route stages before another took their layers over, with their
+    /// audit sessions: still audited, still liable, told when the attempt ends.
+    retired: Vec<(String, Arc<tokio::sync::Mutex<AuditSession>>)>,
+    /// Where route changes are told to the client.
+    tx: mpsc::Sender<GenerationEvent>,
 }
 
 impl Attempt {
@@ -264,7 +271,6 @@ impl Attempt {
     ) -> Result<Activations, Stop> {
         for i in 0..self.route.len() {
             let h = self.route[i].clone();
-            let remote = h.peer != node.local;
             let input = Arc::new(x.clone());
             self.logs[i].inputs.push(input.clone());
             if let Some(shadow) = self.shadows.as_ref().and_then(|s| s[i].clone()) {
@@ -316,48 +322,173 @@ impl Attempt {
                 )));
             }
             let previous = chain(&self.logs[i]);
-            let r = hop_on(node, &h.peer, h.layers, self.g, step, &x, previous).await?;
-            self.logs[i].records.push(r.record);
-            self.logs[i].traces.push(Arc::new(r.trace));
-            if remote && should_audit(node, &self.g, step, i, self.rate) {
-                let (node2, seg, log) = (node.clone(), h.clone(), self.logs[i].clone());
-                let session = self.sessions[i].clone();
-                self.audits
-                    .push(tokio::spawn(audit(node2, seg, log, session)));
-            }
-            let picks = match remote {
-                true => spot::picks(
-                    &node.audit_secret,
-                    &self.g,
-                    step,
-                    h.layers,
-                    x.start,
-                    x.rows(),
-                    &dc_model::check_parts(&node.model_cfg),
-                    self.spot_rate
-                        .for_stage(&node.model_cfg, h.layers.len() as usize),
-                ),
-                false => Vec::new(),
+            let r = match hop_on(node, &h.peer, h.layers, self.g, step, &x, previous).await {
+                Err(stop @ Stop::Unusable { .. }) => self.replace(node, i, step, stop).await?,
+                r => r?,
             };
-            if !picks.is_empty() {
-                self.pending[i].push(spot::HopPicks {
-                    log: self.logs[i].clone(),
-                    step,
-                    picks,
-                });
-                // A prefill hop at once: its picks take several exchanges, and the stage keeps
-                // only its last few hops.
-                if self.pending[i].len() >= spot::REVEAL_BATCH || x.rows() > 1 {
-                    self.check_pending(node, i);
-                }
-            }
+            self.checks_after(node, i, step, &x, r.record, r.trace);
             x = r.output;
         }
         // A liar proven by a finished audit: recompute without it.
-        if let Some(l) = self.route.iter().find(|h| node.is_excluded(&h.peer)) {
-            return Err(Stop::Liar(l.peer.clone()));
+        if let Some(l) = self.proven_liar(node) {
+            return Err(Stop::Liar(l));
         }
         Ok(x)
+    }
+
+    /// A peer of this attempt (serving a route stage now or before) proven to lie, if any.
+    fn proven_liar(&self, node: &Node) -> Option<String> {
+        let route = self.route.iter().map(|h| &h.peer);
+        let retired = self.retired.iter().map(|(p, _)| p);
+        route.chain(retired).find(|p| node.is_excluded(p)).cloned()
+    }
+
+    /// Logs route stage `i`'s answer to hop `step` (input `x`) and starts its checks: an
+    /// audit if the coin says so, and the hop's spot-check picks (batched).
+    fn checks_after(
+        &mut self,
+        node: &Arc<Node>,
+        i: usize,
+        step: u64,
+        x: &Activations,
+        record: Signed<HopRecord>,
+        trace: HopTrace,
+    ) {
+        let h = self.route[i].clone();
+        let remote = h.peer != node.local;
+        self.logs[i].records.push(record);
+        self.logs[i].traces.push(Arc::new(trace));
+        if remote && should_audit(node, &self.g, step, i, self.rate) {
+            let (node2, log) = (node.clone(), self.logs[i].clone());
+            let session = self.sessions[i].clone();
+            self.audits
+                .push(tokio::spawn(audit(node2, h.clone(), log, session)));
+        }
+        let picks = match remote {
+            true => spot::picks(
+                &node.audit_secret,
+                &self.g,
+                step,
+                h.layers,
+                x.start,
+                x.rows(),
+                &dc_model::check_parts(&node.model_cfg),
+                self.spot_rate
+                    .for_stage(&node.model_cfg, h.layers.len() as usize),
+            ),
+            false => Vec::new(),
+        };
+        if !picks.is_empty() {
+            self.pending[i].push(spot::HopPicks {
+                log: self.logs[i].clone(),
+                step,
+                picks,
+            });
+            // A prefill hop at once: its picks take several exchanges, and the stage keeps
+            // only its last few hops.
+            if self.pending[i].len() >= spot::REVEAL_BATCH || x.rows() > 1 {
+                self.check_pending(node, i);
+            }
+        }
+    }
+
+    /// Route stage `i`'s peer could not serve hop `step` (`stop` says why): hands the stage's
+    /// layers to another peer serving them, which first replays the stage's logged inputs (one
+    /// hop per step, each checked as any hop is), then runs hop `step`. Only that stage's work
+    /// is redone, and the tokens already sent stand. `stop` comes back (and the generation is
+    /// recomputed without the peer) when no other peer serves the layers, under `--verify
+    /// all`, or when a replayed output is not what the first peer signed: one of the two lied,
+    /// and the checks of both may tell which.
+    async fn replace(
+        &mut self,
+        node: &Arc<Node>,
+        i: usize,
+        step: u64,
+        stop: Stop,
+    ) -> Result<HopResult, Stop> {
+        let (peer, why, remember) = match &stop {
+            Stop::Unusable {
+                peer,
+                why,
+                remember,
+            } => (peer.clone(), why.clone(), *remember),
+            _ => return Err(stop),
+        };
+        let layers = self.route[i].layers;
+        let in_route: Vec<String> = self.route.iter().map(|h| h.peer.clone()).collect();
+        let mut candidates = node.participants();
+        candidates.retain(|p| {
+            !in_route.contains(&p.peer) && !self.avoid.iter().any(|(a, _)| *a == p.peer)
+        });
+        let recent = node.recently_unusable();
+        let mut preferred = candidates.clone();
+        preferred.retain(|p| !recent.contains(&p.peer));
+        let salt = [&self.g.0[..], &step.to_le_bytes()].concat();
+        let next = pick_auditor_among(&preferred, layers, &peer, &salt)
+            .or_else(|| pick_auditor_among(&candidates, layers, &peer, &salt));
+        let Some(next) = next.filter(|_| self.shadows.is_none()) else {
+            return Err(stop);
+        };
+        warn!(
+            "generation {}: layers {layers} go from {peer} to {next}, which replays {step} hops \
+             first: {why}",
+            self.g
+        );
+        if remember && peer != node.local {
+            node.mark_unusable(&peer);
+        }
+        self.avoid.push((peer.clone(), why));
+        node.stats
+            .stages_replaced
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The first peer's drawn hops are asked about now (failing that, its checks replay).
+        self.check_pending(node, i);
+        let old = std::mem::take(&mut self.logs[i]);
+        // A session of its own (another id at the auditor), so the first peer's audits, still
+        // running, keep theirs.
+        let session = AuditSession::new(
+            node,
+            &self.g,
+            i + self.route.len() * (self.retired.len() + 1),
+        );
+        let session = std::mem::replace(
+            &mut self.sessions[i],
+            Arc::new(tokio::sync::Mutex::new(session)),
+        );
+        self.retired.push((peer.clone(), session));
+        self.known[i] = Default::default();
+        self.route[i].peer = next.clone();
+        let _ = self
+            .tx
+            .send(GenerationEvent::Started {
+                head: node.local.clone(),
+                route: self.route.clone(),
+            })
+            .await;
+        for k in 0..step {
+            let (Some(input), Some(signed)) =
+                (old.inputs.get(k as usize), old.records.get(k as usize))
+            else {
+                return Err(stop);
+            };
+            self.logs[i].inputs.push(input.clone());
+            let previous = chain(&self.logs[i]);
+            let r = hop_on(node, &next, layers, self.g, k, input, previous).await?;
+            if r.record.body.output != signed.body.output {
+                warn!(
+                    "generation {}: {next} and {peer} disagree on layers {layers} at step {k}",
+                    self.g
+                );
+                return Err(stop);
+            }
+            self.checks_after(node, i, k, input, r.record, r.trace);
+        }
+        let Some(x) = old.inputs.get(step as usize) else {
+            return Err(stop);
+        };
+        self.logs[i].inputs.push(x.clone());
+        let previous = chain(&self.logs[i]);
+        hop_on(node, &next, layers, self.g, step, x, previous).await
     }
 
     /// Starts the spot checks of route stage `i`'s hops drawn so far, in one reveal exchange.
@@ -381,13 +512,19 @@ impl Attempt {
     /// Tells every stage and auditor the attempt is over (caches freed; they also expire when
     /// idle).
     async fn end(&self, node: &Arc<Node>) {
-        for s in &self.sessions {
+        for s in self
+            .sessions
+            .iter()
+            .chain(self.retired.iter().map(|(_, s)| s))
+        {
             s.lock().await.end(node);
         }
         let mut peers: Vec<(String, GenerationId)> = self
             .route
             .iter()
-            .map(|h| (h.peer.clone(), self.g))
+            .map(|h| &h.peer)
+            .chain(self.retired.iter().map(|(p, _)| p))
+            .map(|p| (p.clone(), self.g))
             .collect();
         if let Some(s) = &self.shadows {
             peers.extend(s.iter().flatten().map(|p| (p.clone(), shadow_id(&self.g))));
@@ -567,8 +704,12 @@ async fn drive(
             pending: (0..route_len).map(|_| Vec::new()).collect(),
             rate,
             spot_rate,
+            avoid: std::mem::take(&mut avoid),
+            retired: Vec::new(),
+            tx: tx.clone(),
         };
         let outcome = attempt(node, req, &mut at, tx, &mut delivered).await;
+        avoid = std::mem::take(&mut at.avoid);
         // The last hops' spot checks, fewer than a batch.
         for i in 0..route_len {
             at.check_pending(node, i);
@@ -579,11 +720,9 @@ async fn drive(
         at.end(node).await;
         let liar = match (&outcome, proven) {
             (Err(Stop::Liar(l)), _) => Some(l.clone()),
-            (_, Ok(results)) if results.iter().any(|r| matches!(r, Ok(true))) => at
-                .route
-                .iter()
-                .find(|h| node.is_excluded(&h.peer))
-                .map(|h| h.peer.clone()),
+            (_, Ok(results)) if results.iter().any(|r| matches!(r, Ok(true))) => {
+                at.proven_liar(node)
+            }
             _ => None,
         };
         match (outcome, liar) {
@@ -612,7 +751,9 @@ async fn drive(
                 if remember && peer != node.local {
                     node.mark_unusable(&peer);
                 }
-                avoid.push((peer, why));
+                if !avoid.iter().any(|(p, _)| *p == peer) {
+                    avoid.push((peer, why));
+                }
             }
             (Ok(ev), None) => return Ok(ev),
             (Err(Stop::Failed(m)), None) | (Err(Stop::Liar(m)), None) => return Err(m),

@@ -66,6 +66,8 @@ pub struct Stats {
     pub corrections: AtomicU64,
     /// Attempts restarted without a peer whose answer to a hop could not be used.
     pub reroutes: AtomicU64,
+    /// Route stages handed to another peer mid-generation, after a hop that could not be used.
+    pub stages_replaced: AtomicU64,
     /// Positions replayed to audit other stages.
     pub audit_positions: AtomicU64,
 }

@@ -74,6 +74,7 @@ pub fn status(node: &Node) -> Value {
         "excluded_peers": excluded,
         "corrections": node.stats.corrections.load(Ordering::Relaxed),
         "reroutes": node.stats.reroutes.load(Ordering::Relaxed),
+        "stages_replaced": node.stats.stages_replaced.load(Ordering::Relaxed),
         "peers": peers,
     })
 }

@@ -143,7 +143,7 @@ pub struct JoinArgs {
     pub spot_check_rate: Option<dc_node::SpotRate>,
     /// Test builds only (the fault-injection feature): lie on FRACTION of the hops (default
     /// all) by flip-bit, prompt, skip-layer, other-weights, stale, attention, hide, chain,
-    /// trace or leave.
+    /// trace, leave or flip-leave.
     #[arg(long, value_name = "KIND[:FRACTION]", hide = !dc_node::FAULT_INJECTION)]
     pub fault: Option<String>,
 }

@@ -421,13 +421,14 @@ fn work_panel(s: &Value, rows: usize) -> Paragraph<'static> {
     if let Some(a) = s.get("audits").filter(|a| !a.is_null()) {
         lines.push(audits_line(a));
     }
-    // Generations recomputed: without a peer whose hop could not be used, or after a proven
-    // lie changed tokens already sent.
+    // Work redone: stages handed to another peer, or generations recomputed, without a peer
+    // whose hop could not be used; tokens corrected after a proven lie.
     if let Some(r) = s.get("reroutes").filter(|r| !r.is_null()) {
         lines.push(Line::from(vec![
             label("redone"),
             Span::raw(format!(
-                "rerouted {} · corrected {}",
+                "stages replaced {} · rerouted {} · corrected {}",
+                text(&s["stages_replaced"]),
                 text(r),
                 text(&s["corrections"])
             )),
@@ -1058,12 +1059,16 @@ mod tests {
             B: {"run": 6, "passed": 5, "failed": 1},
         }});
         s["excluded_peers"] = json!([{"peer_id": B, "reason": "fraud proof"}]);
+        s["stages_replaced"] = json!(3);
         s["reroutes"] = json!(2);
         s["corrections"] = json!(1);
         let (t, _) = draw(&s, &View::default(), 140, 40);
         let text = screen(&t);
         assert!(text.contains("run 12 · passed 11 · failed 1"), "{text}");
-        assert!(text.contains("rerouted 2 · corrected 1"), "{text}");
+        assert!(
+            text.contains("stages replaced 3 · rerouted 2 · corrected 1"),
+            "{text}"
+        );
         // The per-peer table is not dumped into the counters.
         assert!(!text.contains("per_peer"), "{text}");
         assert!(text.contains("1 peers"), "{text}");

@@ -176,8 +176,9 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                     prompt_ids = p.clone();
                 }
                 routes.push(ev["route"].clone());
-                // A later route: the head went on without a peer it could not use (or a proven
-                // liar); the tokens so far come again only if they change.
+                // A later route: the head went on without a peer it could not use (handing its
+                // layers to another, or recomputing the generation) or without a proven liar;
+                // tokens already sent come again only if they change.
                 if routes.len() > 1 && !a.json {
                     let hops: Vec<String> = ev["route"]
                         .as_array()
@@ -188,7 +189,7 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                             format!("{}@{}", layers.unwrap_or("?"), peer.unwrap_or("?"))
                         })
                         .collect();
-                    eprintln!("[recomputing on another route: {}]", hops.join(" → "));
+                    eprintln!("[the route changed: {}]", hops.join(" → "));
                 }
             }
             Some("token") if !a.json => {
