@@ -143,9 +143,18 @@ pub fn should_audit(
     ((x >> 11) as f64 / (1u64 << 53) as f64) < rate as f64
 }
 
-/// A peer (not `accused`, not excluded) whose layers cover `layers`; ourselves if we do.
+/// A peer (not `accused`, not excluded) whose layers cover `layers`; ourselves if we do. Peers
+/// whose hops recently could not be used (see [`Node::recently_unusable`]) only if no other.
 pub fn pick_auditor(node: &Node, layers: LayerRange, accused: &str, salt: &[u8]) -> Option<String> {
-    pick_auditor_among(&node.participants(), layers, accused, salt)
+    let all = node.participants();
+    let recent = node.recently_unusable();
+    let preferred: Vec<Participant> = all
+        .iter()
+        .filter(|p| !recent.contains(&p.peer))
+        .cloned()
+        .collect();
+    pick_auditor_among(&preferred, layers, accused, salt)
+        .or_else(|| pick_auditor_among(&all, layers, accused, salt))
 }
 
 /// A peer of `participants` (not `accused`) whose layers cover `layers`, chosen by `salt`.
