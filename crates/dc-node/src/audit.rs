@@ -146,34 +146,34 @@ pub fn should_audit(
 /// A peer (not `accused`, not excluded) whose layers cover `layers`; ourselves if we do. Peers
 /// whose hops recently could not be used (see [`Node::recently_unusable`]) only if no other.
 pub fn pick_auditor(node: &Node, layers: LayerRange, accused: &str, salt: &[u8]) -> Option<String> {
-    let all = node.participants();
     let recent = node.recently_unusable();
-    let preferred: Vec<Participant> = all
-        .iter()
-        .filter(|p| !recent.contains(&p.peer))
-        .cloned()
-        .collect();
-    pick_auditor_among(&preferred, layers, accused, salt)
-        .or_else(|| pick_auditor_among(&all, layers, accused, salt))
+    pick_peer(&node.participants(), &recent, layers, accused, salt)
 }
 
-/// A peer of `participants` (not `accused`) whose layers cover `layers`, chosen by `salt`.
-pub fn pick_auditor_among(
+/// A peer of `participants` (not `accused`) whose layers cover `layers`, chosen by `salt`; one
+/// of `last_resort` only if no other qualifies.
+pub fn pick_peer(
     participants: &[Participant],
+    last_resort: &[String],
     layers: LayerRange,
     accused: &str,
     salt: &[u8],
 ) -> Option<String> {
-    let candidates = participants
-        .iter()
-        .filter(|p| p.peer != accused && p.layers.covers(&layers))
-        .map(|p| p.peer.clone());
-    candidates.max_by_key(|p| {
+    let qualifies = |p: &&Participant| p.peer != accused && p.layers.covers(&layers);
+    let by_salt = |p: &&Participant| {
         let mut h = blake3::Hasher::new();
         h.update(salt);
-        h.update(p.as_bytes());
+        h.update(p.peer.as_bytes());
         *h.finalize().as_bytes()
-    })
+    };
+    let usable = participants
+        .iter()
+        .filter(qualifies)
+        .filter(|p| !last_resort.contains(&p.peer))
+        .max_by_key(by_salt);
+    usable
+        .or_else(|| participants.iter().filter(qualifies).max_by_key(by_salt))
+        .map(|p| p.peer.clone())
 }
 
 /// Everything the head kept about one route stage in one generation. The inputs and traces
@@ -656,4 +656,59 @@ pub fn new_secret(identity: &[u8]) -> [u8; 32] {
     b.extend_from_slice(&std::process::id().to_le_bytes());
     b.extend_from_slice(identity);
     Domain::HopRecord.hash(&b).0
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use super::*;
+
+    fn participant(peer: &str, start: u32, end: u32) -> Participant {
+        Participant {
+            peer: peer.into(),
+            layers: LayerRange { start, end },
+            head: false,
+            throughput: 1.0,
+            active: 0,
+        }
+    }
+
+    #[test]
+    fn a_peer_is_picked_among_those_covering_the_layers_and_never_the_accused() {
+        let ps = [
+            participant("accused", 2, 4),
+            participant("short", 2, 3),
+            participant("a", 0, 4),
+            participant("b", 2, 6),
+        ];
+        let layers = LayerRange { start: 2, end: 4 };
+        let mut seen = std::collections::HashSet::new();
+        for salt in 0u8..64 {
+            let p = pick_peer(&ps, &[], layers, "accused", &[salt]).unwrap();
+            assert!(p == "a" || p == "b", "{p}");
+            // The same salt, the same peer.
+            assert_eq!(pick_peer(&ps, &[], layers, "accused", &[salt]).unwrap(), p);
+            seen.insert(p);
+        }
+        assert_eq!(seen.len(), 2, "salts spread the choice");
+        let nobody = [participant("accused", 2, 4), participant("short", 2, 3)];
+        assert_eq!(pick_peer(&nobody, &[], layers, "accused", b"s"), None);
+    }
+
+    #[test]
+    fn a_last_resort_is_picked_only_when_no_other_qualifies() {
+        let layers = LayerRange { start: 0, end: 2 };
+        let ps = [participant("failed", 0, 2), participant("fine", 0, 2)];
+        let last_resort = ["failed".to_string()];
+        for salt in 0u8..64 {
+            let p = pick_peer(&ps, &last_resort, layers, "x", &[salt]).unwrap();
+            assert_eq!(p, "fine");
+        }
+        let only = [participant("failed", 0, 2), participant("fine", 0, 1)];
+        assert_eq!(
+            pick_peer(&only, &last_resort, layers, "x", b"s").as_deref(),
+            Some("failed")
+        );
+    }
 }

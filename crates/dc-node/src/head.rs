@@ -19,9 +19,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::audit::{
-    accept_proof, audit, pick_auditor_among, referee, should_audit, AuditSession, StageLog,
-};
+use crate::audit::{accept_proof, audit, pick_peer, referee, should_audit, AuditSession, StageLog};
 use crate::node::Node;
 use crate::spot;
 use crate::stage::{from_wire, serve_own_hop, to_wire};
@@ -421,11 +419,8 @@ impl Attempt {
             !in_route.contains(&p.peer) && !self.avoid.iter().any(|(a, _)| *a == p.peer)
         });
         let recent = node.recently_unusable();
-        let mut preferred = candidates.clone();
-        preferred.retain(|p| !recent.contains(&p.peer));
         let salt = [&self.g.0[..], &step.to_le_bytes()].concat();
-        let next = pick_auditor_among(&preferred, layers, &peer, &salt)
-            .or_else(|| pick_auditor_among(&candidates, layers, &peer, &salt));
+        let next = pick_peer(&candidates, &recent, layers, &peer, &salt);
         let Some(next) = next.filter(|_| self.shadows.is_none()) else {
             return Err(stop);
         };
@@ -617,8 +612,7 @@ fn plan(
                         // The head trusts its own arithmetic.
                         return Ok(None);
                     }
-                    pick_auditor_among(&preferred, h.layers, &h.peer, &g.0)
-                        .or_else(|| pick_auditor_among(&participants, h.layers, &h.peer, &g.0))
+                    pick_peer(&participants, &recent, h.layers, &h.peer, &g.0)
                         .map(Some)
                         .ok_or_else(|| {
                             format!(
