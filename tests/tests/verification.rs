@@ -319,6 +319,20 @@ fn the_client_is_told_when_the_route_changes() {
     );
 }
 
+/// Starts a second honest peer for 2..4 in a [`swarm_with_liar`] and waits until `head` sees it.
+fn second_honest(dir: &Path, model: &Path, head: &Daemon) -> Daemon {
+    let peer = Daemon::start(
+        dir,
+        "honest2",
+        model,
+        &["--layers", "2..4", "--no-head", "--bootstrap", &head.addr],
+    );
+    wait_until("the second honest peer", Duration::from_secs(30), || {
+        head.sees_serving(3)
+    });
+    peer
+}
+
 #[test]
 fn verify_all_goes_on_without_a_peer_that_leaves() {
     // Under --verify all the peer that leaves is one of a hop's two; the recomputation pairs
@@ -326,15 +340,7 @@ fn verify_all_goes_on_without_a_peer_that_leaves() {
     let model = fixtures().join("llama");
     let dir = tempfile::tempdir().unwrap();
     let (head, honest, faulty) = swarm_with_liar(dir.path(), &model, &[], "leave");
-    let honest2 = Daemon::start(
-        dir.path(),
-        "honest2",
-        &model,
-        &["--layers", "2..4", "--no-head", "--bootstrap", &head.addr],
-    );
-    wait_until("the second honest peer", Duration::from_secs(30), || {
-        head.sees_serving(3)
-    });
+    let honest2 = second_honest(dir.path(), &model, &head);
     let got = through(&head.api, &["--verify", "all"], "8", "5", "0.8");
     let want = local(&model, "8", "5", "0.8");
     assert_eq!(got["tokens"], want["tokens"]);
@@ -357,15 +363,7 @@ fn verify_all_releases_only_checked_tokens() {
     // Lying on half of 24 hops: it lies at all except with probability 2^-24.
     let (a, _b, l) = swarm_with_liar(dir.path(), &model, &["--audit-rate", "1"], "flip-bit:0.5");
     // A second honest peer for 2..4, so every hop still has a second peer once the liar is out.
-    let b2 = Daemon::start(
-        dir.path(),
-        "honest2",
-        &model,
-        &["--layers", "2..4", "--no-head", "--bootstrap", &a.addr],
-    );
-    wait_until("the second honest peer", Duration::from_secs(30), || {
-        a.sees_serving(3)
-    });
+    let b2 = second_honest(dir.path(), &model, &a);
     let got = through(&a.api, &["--verify", "all"], "24", "9", "0.9");
     let want = local(&model, "24", "9", "0.9");
     assert_eq!(got["tokens"], want["tokens"]);
