@@ -70,6 +70,25 @@ fn unusable(peer: &str, why: String) -> Stop {
     }
 }
 
+/// Peers a generation goes on without, each with why.
+type Avoided = Vec<(String, String)>;
+
+/// Whether `peer` is among the `avoid`ed.
+fn avoided(avoid: &[(String, String)], peer: &str) -> bool {
+    avoid.iter().any(|(p, _)| p == peer)
+}
+
+/// Leaves `peer` out of the rest of the generation and, if `remember`, out of this head's
+/// routes for a while (where others serve its layers).
+fn leave_out(node: &Node, avoid: &mut Avoided, peer: &str, why: String, remember: bool) {
+    if remember && peer != node.local {
+        node.mark_unusable(peer);
+    }
+    if !avoided(avoid, peer) {
+        avoid.push((peer.to_string(), why));
+    }
+}
+
 impl From<String> for Stop {
     fn from(s: String) -> Stop {
         Stop::Failed(s)
@@ -251,7 +270,7 @@ struct Attempt {
     rate: f32,
     spot_rate: crate::SpotRate,
     /// Peers whose answers this generation could not use, and why (kept across attempts).
-    avoid: Vec<(String, String)>,
+    avoid: Avoided,
     /// Peers that served route stages before another took their layers over, with their
     /// audit sessions: still audited, still liable, told when the attempt ends.
     retired: Vec<(String, Arc<tokio::sync::Mutex<AuditSession>>)>,
@@ -415,9 +434,7 @@ impl Attempt {
         let layers = self.route[i].layers;
         let in_route: Vec<String> = self.route.iter().map(|h| h.peer.clone()).collect();
         let mut candidates = node.participants();
-        candidates.retain(|p| {
-            !in_route.contains(&p.peer) && !self.avoid.iter().any(|(a, _)| *a == p.peer)
-        });
+        candidates.retain(|p| !in_route.contains(&p.peer) && !avoided(&self.avoid, &p.peer));
         let recent = node.recently_unusable();
         let salt = [&self.g.0[..], &step.to_le_bytes()].concat();
         let next = pick_peer(&candidates, &recent, layers, &peer, &salt);
@@ -429,10 +446,7 @@ impl Attempt {
              first: {why}",
             self.g
         );
-        if remember && peer != node.local {
-            node.mark_unusable(&peer);
-        }
-        self.avoid.push((peer.clone(), why));
+        leave_out(node, &mut self.avoid, &peer, why, remember);
         node.stats
             .stages_replaced
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -588,7 +602,7 @@ fn plan(
         return Err("this daemon does not hold the head weights".into());
     }
     let mut participants = node.participants();
-    participants.retain(|p| !avoid.iter().any(|(peer, _)| *peer == p.peer));
+    participants.retain(|p| !avoided(avoid, &p.peer));
     let left_out = || {
         avoid
             .iter()
@@ -661,7 +675,7 @@ async fn drive(
     let mut delivered: Vec<u32> = Vec::new();
     // Peers whose answers this generation could not use, and why: later attempts go without
     // them. Not an exclusion (nothing is proven, and other generations still use them).
-    let mut avoid: Vec<(String, String)> = Vec::new();
+    let mut avoid: Avoided = Vec::new();
     for n in 0..MAX_ATTEMPTS {
         let g = attempt_id(&req.generation, n);
         let (route, shadows) = plan(node, req, &g, &avoid)?;
@@ -742,12 +756,7 @@ async fn drive(
                 node.stats
                     .reroutes
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if remember && peer != node.local {
-                    node.mark_unusable(&peer);
-                }
-                if !avoid.iter().any(|(p, _)| *p == peer) {
-                    avoid.push((peer, why));
-                }
+                leave_out(node, &mut avoid, &peer, why, remember);
             }
             (Ok(ev), None) => return Ok(ev),
             (Err(Stop::Failed(m)), None) | (Err(Stop::Liar(m)), None) => return Err(m),
