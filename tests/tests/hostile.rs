@@ -1,6 +1,8 @@
 //! Hostile or broken peers: messages over the size cap, another model id, another protocol
 //! version, activations of the wrong length or with NaN. Each is refused (with an error to the
-//! sender where there is one), logged, and the daemon keeps serving others.
+//! sender where there is one), logged, and the daemon keeps serving others. Peers asking it to
+//! head more generations than it allows are refused, and a head streaming more than was asked
+//! for is cut off.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -422,4 +424,184 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
     })
     .await
     .unwrap();
+}
+
+/// A generation request as a peer forwards it to the head it elected.
+fn forwarded(model_id: ModelId, max_new_tokens: u32) -> GenerationRequest {
+    GenerationRequest {
+        model_id,
+        generation: GenerationId::new_random(),
+        prompt: vec![1, 2, 3],
+        max_new_tokens,
+        sampling: WireSampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        },
+        stop_tokens: vec![],
+        chunk: 64,
+        verify: VerifyMode::Sampled(0.0),
+    }
+}
+
+/// Opens a generation stream to `peer`, sends `req` and returns the stream with the head's
+/// first event.
+async fn ask_to_head(
+    client: &dc_net::Client,
+    peer: libp2p::PeerId,
+    req: &GenerationRequest,
+) -> (libp2p::Stream, GenerationEvent) {
+    const MAX: usize = 4 << 20;
+    let wait = Duration::from_secs(60);
+    let mut s = client.open_generation_stream(peer).await.unwrap();
+    dc_net::frames::send(&mut s, req, MAX, wait).await.unwrap();
+    let first = dc_net::frames::recv(&mut s, MAX, wait).await.unwrap();
+    (s, first)
+}
+
+/// Peers asking a daemon to head generations get at most `--max-generations` at once, and a
+/// peer that hangs up frees its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_cannot_make_a_daemon_head_more_generations_than_it_allows() {
+    let model = dc_model::store::installed_smollm2()
+        .expect("SmolLM2 is not installed: run scripts/fetch-model.sh");
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        dir.path(),
+        "head",
+        &model,
+        &["--layers", "0..30", "--max-generations", "1"],
+    );
+    let status = d.status();
+    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
+    let topic = format!(
+        "daisychain/announce/{PROTOCOL_VERSION}/{}",
+        model_id.short()
+    );
+    let (client, _events) = intruder(topic, &d.addr, 8 << 20).await;
+    let victim: libp2p::PeerId = d.peer_id.parse().unwrap();
+
+    // A long generation that is never read from: it holds the one slot.
+    let (long, first) = ask_to_head(&client, victim, &forwarded(model_id, 4000)).await;
+    assert!(
+        matches!(first, GenerationEvent::Started { .. }),
+        "{first:?}"
+    );
+    let (_, refused) = ask_to_head(&client, victim, &forwarded(model_id, 2)).await;
+    match refused {
+        GenerationEvent::Failed { message } => assert!(
+            message.contains("already heading 1 generations"),
+            "{message}"
+        ),
+        other => panic!("a second generation was headed: {other:?}"),
+    }
+    // Hanging up frees the slot.
+    drop(long);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, ev) = ask_to_head(&client, victim, &forwarded(model_id, 2)).await;
+        if matches!(ev, GenerationEvent::Started { .. }) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slot stayed taken after the hang-up: {ev:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// A peer that wins head elections and streams more tokens than were asked for: the daemon
+/// that forwarded the request cuts it off with an error naming the head and what it did,
+/// instead of relaying tokens without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_streaming_more_than_was_asked_is_cut_off() {
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "victim", &model, &["--layers", "0..4"]);
+    let status = d.status();
+    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
+    let topic = format!(
+        "daisychain/announce/{PROTOCOL_VERSION}/{}",
+        model_id.short()
+    );
+    let (client, _events) = intruder(topic, &d.addr, 8 << 20).await;
+    let me = client.local_peer_id().to_string();
+
+    // It claims every layer and the head weights, again and again (gossip needs a mesh first).
+    let announcer = client.clone();
+    tokio::spawn(async move {
+        for seq in 1.. {
+            let a = Announcement {
+                protocol_version: PROTOCOL_VERSION,
+                software: "intruder".into(),
+                model_id,
+                layers: Some("0..4".parse().unwrap()),
+                head: true,
+                throughput: 1e6,
+                free_memory: 0,
+                state: PeerState::Serving,
+                active_generations: 0,
+                seq,
+                listen_addrs: vec![],
+            };
+            let bytes = encode(&Gossip::Announcement(a), 64 << 10).unwrap();
+            let _ = announcer.publish(bytes).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    // Headed generations get their route, then tokens without end.
+    let mut incoming = client.accept_generation_streams().unwrap();
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some((_, mut s)) = incoming.next().await {
+            tokio::spawn(async move {
+                const MAX: usize = 4 << 20;
+                let wait = Duration::from_secs(10);
+                let req: GenerationRequest = dc_net::frames::recv(&mut s, MAX, wait).await?;
+                let started = GenerationEvent::Started {
+                    head: "intruder".into(),
+                    route: vec![],
+                };
+                dc_net::frames::send(&mut s, &started, MAX, wait).await?;
+                for index in 0..req.max_new_tokens + 100 {
+                    let t = GenerationEvent::Token { index, id: 5 };
+                    dc_net::frames::send(&mut s, &t, MAX, wait).await?;
+                }
+                Ok::<(), dc_net::NetError>(())
+            });
+        }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !d.status()["peers"].to_string().contains(&me) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the victim never heard the intruder's announcements"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Elections are by generation id: some generations elect the intruder.
+    let api = d.api.clone();
+    let cut_off = tokio::task::spawn_blocking(move || {
+        for _ in 0..40 {
+            let out = std::process::Command::new(dcd())
+                .args(["generate", "--api", &api, "--prompt-ids", "1,2,3"])
+                .args(["--max-new-tokens", "2", "--json"])
+                .output()
+                .unwrap();
+            if !out.status.success() {
+                return String::from_utf8_lossy(&out.stderr).into_owned();
+            }
+        }
+        String::new()
+    })
+    .await
+    .unwrap();
+    assert!(
+        cut_off.contains(&format!("the head {me} broke the protocol"))
+            && cut_off.contains("it sent token 2 of at most 2"),
+        "{cut_off}"
+    );
 }

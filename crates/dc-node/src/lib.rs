@@ -17,6 +17,7 @@ pub mod memory;
 pub mod metrics;
 pub mod node;
 pub mod openai;
+pub mod relay;
 pub mod spot;
 pub mod stage;
 pub mod status;

@@ -25,6 +25,7 @@ use crate::claims::{Claim, ClaimQueue, IGNORE_FALSE_CLAIMANT};
 use crate::config::{LayerChoice, NodeConfig};
 use crate::head::{run_as_head, EVENT_QUEUE};
 use crate::memory::{head_bytes, layer_bytes, layers_that_fit};
+use crate::relay::EventBounds;
 use crate::stage::{serve_hop, StageCaches};
 use crate::view::{coverage, least_served_window, should_move, Participant, SwarmView};
 
@@ -32,6 +33,8 @@ use crate::view::{coverage, least_served_window, should_move, Participant, Swarm
 const MAX_GENERATION_MESSAGE: usize = 4 << 20;
 /// Largest announcement.
 const MAX_ANNOUNCEMENT: usize = 64 << 10;
+/// Most distinct messages `log_once` remembers having logged.
+const MAX_LOGGED: usize = 1024;
 /// How long a proof's holder has to send it (a lookup on its side; the proof is within the
 /// message limit).
 const PROOF_FETCH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -98,6 +101,9 @@ pub struct Node {
     pub compute: Arc<Semaphore>,
     /// Bounds the generations started here at once.
     pub generations: Arc<Semaphore>,
+    /// Bounds the generations other peers asked us to head at once (those of our own API are
+    /// bounded by `generations`; every stage cache, ours included, by `caches`).
+    pub headed: Arc<Semaphore>,
     /// Counters.
     pub stats: Stats,
     seq: AtomicU64,
@@ -207,14 +213,14 @@ impl Node {
         })
     }
 
-    /// Logs `msg` once per `key`.
+    /// Logs `msg` once per `key` (once per [`MAX_LOGGED`] keys: the keys come from peers'
+    /// messages, so the set of those logged is forgotten when it fills).
     fn log_once(&self, key: String, msg: impl FnOnce() -> String) {
-        if self
-            .logged
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key)
-        {
+        let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
+        if logged.len() >= MAX_LOGGED {
+            logged.clear();
+        }
+        if logged.insert(key) {
             info!("{}", msg());
         }
     }
@@ -399,14 +405,12 @@ impl Node {
     }
 
     fn on_announcement(&self, from: &str, ann: Announcement) {
-        for a in &ann.listen_addrs {
-            if let (Ok(addr), Ok(peer)) = (a.parse::<Multiaddr>(), from.parse()) {
-                let client = self.client.clone();
-                tokio::spawn(async move {
-                    let _ = client.add_address(peer, addr).await;
-                });
-            }
-        }
+        let addrs: Vec<Multiaddr> = ann
+            .listen_addrs
+            .iter()
+            .take(crate::view::MAX_PEER_ADDRS)
+            .filter_map(|a| a.parse().ok())
+            .collect();
         let res = self.view.lock().unwrap_or_else(|e| e.into_inner()).update(
             from,
             ann,
@@ -414,7 +418,18 @@ impl Node {
             Instant::now(),
         );
         match res {
-            Ok(()) | Err(crate::view::Ignored::Stale) => {}
+            Ok(()) => {
+                // Only a peer of our swarm is worth dialling back, at a few addresses.
+                if let (Ok(peer), false) = (from.parse(), addrs.is_empty()) {
+                    let client = self.client.clone();
+                    tokio::spawn(async move {
+                        for addr in addrs {
+                            let _ = client.add_address(peer, addr).await;
+                        }
+                    });
+                }
+            }
+            Err(crate::view::Ignored::Stale) => {}
             Err(crate::view::Ignored::Protocol(v)) => self.log_once(format!("proto:{from}:{v}"), || {
                 format!("ignoring peer {from}: it speaks protocol version {v}, we speak {PROTOCOL_VERSION}")
             }),
@@ -551,6 +566,7 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         gemm,
         compute: Arc::new(Semaphore::new(cfg.threads.max(1) * 2)),
         generations: Arc::new(Semaphore::new(cfg.max_generations.max(1))),
+        headed: Arc::new(Semaphore::new(cfg.max_generations.max(1))),
         stats: Stats::default(),
         seq: AtomicU64::new(1),
         logged: Mutex::new(HashSet::new()),
@@ -880,8 +896,35 @@ async fn serve_generation_stream(node: Arc<Node>, peer: String, mut stream: libp
                 return;
             }
         };
+    let permit = if node.paused() {
+        Err("paused: the machine is busy with other work".to_string())
+    } else {
+        node.headed.clone().try_acquire_owned().map_err(|_| {
+            format!(
+                "already heading {} generations for other peers; try again later",
+                node.cfg.max_generations
+            )
+        })
+    };
+    let permit = match permit {
+        Ok(p) => p,
+        Err(message) => {
+            info!("not heading a generation for {peer}: {message}");
+            let ev = GenerationEvent::Failed { message };
+            let _ = dc_net::frames::send(&mut stream, &ev, MAX_GENERATION_MESSAGE, timeout).await;
+            let _ = futures::AsyncWriteExt::close(&mut stream).await;
+            return;
+        }
+    };
     let (tx, mut rx) = mpsc::channel(EVENT_QUEUE);
-    tokio::spawn(run_as_head(node.clone(), req, tx));
+    // The slot is held as long as the head runs, even if the requester has gone.
+    tokio::spawn({
+        let node = node.clone();
+        async move {
+            let _permit = permit;
+            run_as_head(node, req, tx).await
+        }
+    });
     while let Some(ev) = rx.recv().await {
         let last = matches!(
             ev,
@@ -931,11 +974,17 @@ pub async fn start_generation(
     .await
     .map_err(|e| format!("sending the request to the head {head}: {e}"))?;
     let timeout = node.cfg.request_timeout;
+    let mut bounds = EventBounds::new(req.max_new_tokens);
     tokio::spawn(async move {
         loop {
             let ev: GenerationEvent =
                 match dc_net::frames::recv(&mut stream, MAX_GENERATION_MESSAGE, timeout).await {
-                    Ok(ev) => ev,
+                    Ok(ev) => match bounds.admit(&ev) {
+                        Ok(()) => ev,
+                        Err(e) => GenerationEvent::Failed {
+                            message: format!("the head {head} broke the protocol: {e}"),
+                        },
+                    },
                     Err(e) => GenerationEvent::Failed {
                         message: format!("the head {head} stopped answering: {e}"),
                     },

@@ -9,6 +9,14 @@ use dc_types::{
     Announcement, GenerationId, LayerRange, ModelId, PeerState, RouteHop, PROTOCOL_VERSION,
 };
 
+/// Most peers the table holds: announcements from fresh identities cost nothing to make, so
+/// past this the peer heard from least recently is forgotten for the newcomer.
+pub const MAX_PEERS: usize = 4096;
+/// Most of a peer's announced addresses kept (an honest daemon lists a few).
+pub const MAX_PEER_ADDRS: usize = 8;
+/// Longest software version string kept, in bytes.
+const MAX_SOFTWARE: usize = 64;
+
 /// What we know of one peer.
 #[derive(Clone, Debug)]
 pub struct PeerInfo {
@@ -55,7 +63,7 @@ impl SwarmView {
     pub fn update(
         &mut self,
         peer: &str,
-        ann: Announcement,
+        mut ann: Announcement,
         model: &ModelId,
         now: Instant,
     ) -> Result<(), Ignored> {
@@ -69,6 +77,23 @@ impl SwarmView {
             if old.announcement.seq > ann.seq {
                 return Err(Ignored::Stale);
             }
+        } else if self.peers.len() >= MAX_PEERS {
+            let oldest = self
+                .peers
+                .iter()
+                .min_by_key(|(_, p)| p.last_seen)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                self.peers.remove(&k);
+            }
+        }
+        ann.listen_addrs.truncate(MAX_PEER_ADDRS);
+        if ann.software.len() > MAX_SOFTWARE {
+            let mut end = MAX_SOFTWARE;
+            while !ann.software.is_char_boundary(end) {
+                end -= 1;
+            }
+            ann.software.truncate(end);
         }
         self.peers.insert(
             peer.to_string(),
@@ -251,6 +276,48 @@ mod tests {
             throughput: 1.0,
             active: 0,
         }
+    }
+
+    fn announcement(model: &ModelId, seq: u64) -> Announcement {
+        Announcement {
+            protocol_version: PROTOCOL_VERSION,
+            software: "dcd 0.1.0".into(),
+            model_id: *model,
+            layers: Some(LayerRange { start: 0, end: 1 }),
+            head: false,
+            throughput: 1.0,
+            free_memory: 0,
+            state: PeerState::Serving,
+            active_generations: 0,
+            seq,
+            listen_addrs: vec![],
+        }
+    }
+
+    #[test]
+    fn the_peer_table_is_bounded_and_forgets_the_least_recently_heard() {
+        let model = ModelId::default();
+        let mut view = SwarmView::default();
+        let t0 = Instant::now();
+        for i in 0..MAX_PEERS {
+            let at = t0 + Duration::from_millis(i as u64);
+            view.update(&format!("p{i}"), announcement(&model, 1), &model, at)
+                .unwrap();
+        }
+        // p0, heard from first, speaks again: now p1 is the least recently heard.
+        let later = t0 + Duration::from_secs(3600);
+        view.update("p0", announcement(&model, 2), &model, later)
+            .unwrap();
+        let mut big = announcement(&model, 1);
+        big.listen_addrs = vec!["/ip4/127.0.0.1/tcp/1".into(); 1000];
+        big.software = "é".repeat(1000);
+        view.update("new", big, &model, later).unwrap();
+        assert_eq!(view.peers().count(), MAX_PEERS);
+        assert!(view.get("p1").is_none(), "the least recently heard went");
+        assert!(view.get("p0").is_some() && view.get("p2").is_some());
+        let kept = &view.get("new").unwrap().announcement;
+        assert_eq!(kept.listen_addrs.len(), MAX_PEER_ADDRS);
+        assert!(kept.software.len() <= MAX_SOFTWARE && kept.software.starts_with('é'));
     }
 
     #[test]
