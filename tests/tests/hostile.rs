@@ -35,6 +35,25 @@ async fn intruder(
     (client, events)
 }
 
+/// The model `d` serves, its swarm's gossip topic, and an intruder in that swarm.
+async fn intrude(
+    d: &Daemon,
+) -> (
+    ModelId,
+    String,
+    dc_net::Client,
+    tokio::sync::mpsc::Receiver<NetEvent>,
+) {
+    let status = d.status();
+    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
+    let topic = format!(
+        "daisychain/announce/{PROTOCOL_VERSION}/{}",
+        model_id.short()
+    );
+    let (client, events) = intruder(topic.clone(), &d.addr, 8 << 20).await;
+    (model_id, topic, client, events)
+}
+
 fn hop(model: ModelId, start: u32, hidden: u32, data: Vec<f32>) -> StageRequest {
     StageRequest::Hop(HopRequest {
         model_id: model,
@@ -69,13 +88,7 @@ async fn hostile_messages_are_refused_and_the_daemon_keeps_serving() {
         &model,
         &["--layers", "0..4", "--max-message-bytes", "1048576"],
     );
-    let status = d.status();
-    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
-    let topic = format!(
-        "daisychain/announce/{PROTOCOL_VERSION}/{}",
-        model_id.short()
-    );
-    let (client, _events) = intruder(topic.clone(), &d.addr, 8 << 20).await;
+    let (model_id, topic, client, _events) = intrude(&d).await;
     let victim: libp2p::PeerId = d.peer_id.parse().unwrap();
 
     // Another model id.
@@ -473,13 +486,7 @@ async fn peers_cannot_make_a_daemon_head_more_generations_than_it_allows() {
         &model,
         &["--layers", "0..30", "--max-generations", "1"],
     );
-    let status = d.status();
-    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
-    let topic = format!(
-        "daisychain/announce/{PROTOCOL_VERSION}/{}",
-        model_id.short()
-    );
-    let (client, _events) = intruder(topic, &d.addr, 8 << 20).await;
+    let (model_id, _, client, _events) = intrude(&d).await;
     let victim: libp2p::PeerId = d.peer_id.parse().unwrap();
 
     // A long generation that is never read from: it holds the one slot.
@@ -520,13 +527,7 @@ async fn a_head_streaming_more_than_was_asked_is_cut_off() {
     let model = fixtures().join("llama");
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path(), "victim", &model, &["--layers", "0..4"]);
-    let status = d.status();
-    let model_id = ModelId(Commitment::from_hex(status["model_id"].as_str().unwrap()).unwrap());
-    let topic = format!(
-        "daisychain/announce/{PROTOCOL_VERSION}/{}",
-        model_id.short()
-    );
-    let (client, _events) = intruder(topic, &d.addr, 8 << 20).await;
+    let (model_id, _, client, _events) = intrude(&d).await;
     let me = client.local_peer_id().to_string();
 
     // It claims every layer and the head weights, again and again (gossip needs a mesh first).
