@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use crate::node::Node;
+use crate::core::Node;
 
 /// How often the load is sampled.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);

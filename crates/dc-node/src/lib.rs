@@ -1,31 +1,31 @@
 //! The DaisyChain daemon: loads the layers it serves, joins the swarm, announces itself, serves
-//! hops for other heads, heads generations it is elected for, and answers the local control
-//! API. Heavy maths runs on the compute pool through `spawn_blocking`, never on the async
-//! tasks that move messages.
+//! hops for other heads, heads generations it is elected for, checks the peers it routes
+//! through, and answers the local control API. Heavy maths runs on the compute pool through
+//! `spawn_blocking`, never on the async tasks that move messages.
+//!
+//! The rooms, from the ground up (each imports only those below it):
+//! - [`core`]: the node's handle, configuration and peer view, shared by all;
+//! - [`stage`]: serving hops, caches and reveals for other heads;
+//! - [`check`]: audits, spot checks, referees, proofs, claims and exclusion;
+//! - [`daemon`]: the rooms side by side;
+//! - [`head`]: one generation's driver, and electing and reaching a generation's head;
+//! - [`api`]: the control and OpenAI-compatible HTTP APIs, status and metrics;
+//! - [`lifecycle`]: start-up, the network's events, gossip, shards, and the exit.
 
 #![deny(missing_docs)]
 
 pub mod api;
-pub mod audit;
-pub mod claims;
-pub mod config;
-#[cfg(feature = "fault-injection")]
-pub mod fault;
+pub mod check;
+pub mod core;
+pub mod daemon;
 pub mod head;
 pub mod idle;
-pub mod memory;
-pub mod metrics;
-pub mod node;
-pub mod openai;
-pub mod relay;
-pub mod spot;
+pub mod lifecycle;
 pub mod stage;
-pub mod status;
-pub mod verify;
-pub mod view;
 
-pub use config::{LayerChoice, NodeConfig, SpotRate};
-pub use node::{run, Node};
+pub use crate::core::{LayerChoice, Node, NodeConfig, SpotRate};
+pub use daemon::Daemon;
+pub use lifecycle::run;
 
 /// Whether this build can lie on request (the `fault-injection` feature, for tests only).
 pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
@@ -35,8 +35,8 @@ pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
 pub fn inject_fault(spec: &str) -> Result<(), String> {
     #[cfg(feature = "fault-injection")]
     {
-        let f: fault::Fault = spec.parse()?;
-        if fault::set(f) {
+        let f: stage::fault::Fault = spec.parse()?;
+        if stage::fault::set(f) {
             Ok(())
         } else {
             Err("a fault is already configured".into())

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use dc_kernels::{Gemm, Kernel};
 use dc_model::{Activations, KvCache, LoadOptions, Model};
-use dc_node::verify::{build_proof, check_consistency, find_dispute, verify_proof};
+use dc_node::check::proof::{build_proof, check_consistency, find_dispute, verify_proof};
 use dc_types::{
     FraudProof, GenerationId, HopRecord, HopTrace, LayerRange, ModelId, Point, ProofKind, Signed,
 };
@@ -113,7 +113,7 @@ fn prove(model: &Model, key: &Keypair, layers: LayerRange, log: &Log) -> FraudPr
 fn check(p: &FraudProof) -> Result<(), String> {
     let path = fixture("llama");
     let (cfg, _) = dc_model::model::open_source(&path).unwrap();
-    let layer = dc_node::verify::proof_layer(p).unwrap();
+    let layer = dc_node::check::proof::proof_layer(p).unwrap();
     // A third party loads only the layer the proof names.
     let one = Model::load(
         &path,
@@ -229,7 +229,10 @@ fn forged_proofs_are_rejected_and_honest_stages_cannot_be_accused() {
     // A claim about a layer the accused computed correctly.
     let mut f = p.clone();
     f.kind = ProofKind::Recompute { layer: 0 };
-    let inputs0: Vec<_> = log.inputs[..=3].iter().map(dc_node::verify::wire).collect();
+    let inputs0: Vec<_> = log.inputs[..=3]
+        .iter()
+        .map(dc_node::core::wire::to_wire)
+        .collect();
     f.layer_inputs = inputs0;
     assert!(check(&f).unwrap_err().contains("correct"));
 
@@ -321,7 +324,7 @@ fn judge(
     cfg: &dc_model::ModelConfig,
     layers: &mut std::collections::HashMap<u32, Model>,
 ) -> std::thread::Result<Result<(), String>> {
-    let model = match dc_node::verify::proof_layer(p) {
+    let model = match dc_node::check::proof::proof_layer(p) {
         Some(l) if l < cfg.num_layers as u32 => Some(layers.entry(l).or_insert_with(|| {
             let only = Some(l as usize..l as usize + 1);
             let opts = LoadOptions {
@@ -435,7 +438,7 @@ fn damaged_or_crafted_proofs_never_hold_against_an_honest_stage_and_never_panic(
         traces: honest.traces[..=3].to_vec(),
         layer_inputs: honest.inputs[..=3]
             .iter()
-            .map(dc_node::verify::wire)
+            .map(dc_node::core::wire::to_wire)
             .collect(),
     };
     let inconsistent = FraudProof {

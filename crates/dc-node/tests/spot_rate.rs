@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use dc_model::{LoadOptions, Model};
-use dc_node::spot::picks;
+use dc_node::check::spot::picks;
 use dc_node::SpotRate;
 use dc_types::{GenerationId, LayerRange};
 

@@ -737,8 +737,8 @@ fn float(v: Input<'_>, min: f64, max: f64) -> Result<f64, String> {
 fn size(v: Input<'_>, min: u64, max: u64) -> Result<u64, String> {
     let n = match v {
         Input::Toml(toml::Value::Integer(_)) => integer(v, 0, u64::MAX)?,
-        Input::Toml(toml::Value::String(s)) => dc_node::memory::parse_size(s)?,
-        Input::Text(s) => dc_node::memory::parse_size(s)?,
+        Input::Toml(toml::Value::String(s)) => dc_node::core::memory::parse_size(s)?,
+        Input::Text(s) => dc_node::core::memory::parse_size(s)?,
         Input::Toml(other) => {
             return Err(format!(
                 "expected a size (bytes, or a string like \"4GiB\"), got {}",

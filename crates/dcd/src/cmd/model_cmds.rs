@@ -342,7 +342,7 @@ fn spot_costs(
     drop(prefill_kept);
     let mut window = std::collections::VecDeque::with_capacity(dc_node::stage::KEPT_HOPS);
     // The policy's drawn hops not yet revealed and checked: a head asks about a batch at once.
-    let mut pending = Vec::with_capacity(dc_node::spot::REVEAL_BATCH);
+    let mut pending = Vec::with_capacity(dc_node::check::spot::REVEAL_BATCH);
     for i in 0..decode {
         let pos = prompt.len() + i;
         let x = model.embed(&[(pos % 100) as u32], pos)?;
@@ -405,7 +405,7 @@ fn spot_costs(
             .collect();
         window.push_back(hop);
         pending.push((pos, picks));
-        if pending.len() == dc_node::spot::REVEAL_BATCH || i + 1 == decode {
+        if pending.len() == dc_node::check::spot::REVEAL_BATCH || i + 1 == decode {
             let s = Instant::now();
             // Each attention pick asks for the cache rows after those verified before the
             // batch, or after its layer's earlier pick in the batch (which extends them).
@@ -594,7 +594,7 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
                 c.rate,
                 c.policy_layers,
                 c.policy_bytes,
-                dc_node::spot::REVEAL_BATCH,
+                dc_node::check::spot::REVEAL_BATCH,
                 100.0 * c.policy_share,
                 100.0 * c.policy_reveal_share,
                 100.0 * (c.policy_share - c.policy_reveal_share)

@@ -254,7 +254,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
     let data = dc_model::store::data_dir()?;
     let model_id = dc_types::ModelId(dc_model::identity::cached_model_id(&path, &data)?);
     let (cfg, _) = dc_model::model::open_source(&path)?;
-    let layer = dc_node::verify::proof_layer(&proof);
+    let layer = dc_node::check::proof::proof_layer(&proof);
     let model = match layer {
         Some(l) if (l as usize) < cfg.num_layers => Some(Model::load(
             &path,
@@ -271,8 +271,9 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
         None => None,
     };
     let gemm = super::engine(global)?;
-    let verdict = dc_node::verify::verify_proof(&proof, model_id, &cfg, model.as_ref(), &gemm);
-    let id = dc_node::verify::proof_id(&proof);
+    let verdict =
+        dc_node::check::proof::verify_proof(&proof, model_id, &cfg, model.as_ref(), &gemm);
+    let id = dc_node::check::proof::proof_id(&proof);
     if a.json {
         println!(
             "{}",

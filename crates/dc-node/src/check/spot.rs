@@ -26,31 +26,11 @@ use dc_types::{
 use futures::StreamExt;
 use tracing::warn;
 
-use crate::audit::{audit, referee, AuditSession, StageLog};
-use crate::node::Node;
-
-/// Spot-check counters of this head.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SpotTally {
-    /// Hops checked.
-    pub run: u64,
-    /// Checks that passed.
-    pub passed: u64,
-    /// Checks that failed (each sent to the referee).
-    pub failed: u64,
-    /// Reveals refused or lost.
-    pub unavailable: u64,
-    /// (layer, row) pairs checked.
-    pub layers: u64,
-    /// Parts of those layers tested (weight products, attention products, outputs).
-    pub parts: u64,
-    /// Of those layers, the ones whose attention was recomputed.
-    pub attention: u64,
-    /// Bytes of revealed rows and activations received.
-    pub bytes: u64,
-    /// Reveal exchanges with stages (each asks about up to [`REVEAL_BATCH`] hops).
-    pub exchanges: u64,
-}
+use super::audit::{audit, AuditSession};
+use super::book::SpotTally;
+use super::checks::Checks;
+use super::log::StageLog;
+use super::referee::referee;
 
 /// The head's private coins for one remote hop: for each layer of `layers`, each of the
 /// layer's checkable `parts` (`dc_model::check_parts`) drawn with probability `rate`; a layer
@@ -96,6 +76,23 @@ pub fn picks(
             })
         })
         .collect()
+}
+
+impl Checks {
+    /// [`picks`] with this head's secret coins.
+    #[allow(clippy::too_many_arguments)]
+    pub fn draw_picks(
+        &self,
+        g: &GenerationId,
+        step: u64,
+        layers: LayerRange,
+        from: usize,
+        rows: usize,
+        parts: &[Point],
+        rate: f32,
+    ) -> Vec<RevealPick> {
+        picks(&self.secret, g, step, layers, from, rows, parts, rate)
+    }
 }
 
 /// The cache rows of one route stage's layers that earlier checks verified (from position 0),
@@ -168,7 +165,7 @@ impl HopPicks {
 /// hop. Returns whether the stage was proven to lie (by the referee a failed check calls, or by
 /// the audit a refused reveal of a one-row hop calls).
 pub async fn spot_check(
-    node: Arc<Node>,
+    checks: Arc<Checks>,
     seg: RouteHop,
     g: GenerationId,
     mut hops: Vec<HopPicks>,
@@ -182,42 +179,7 @@ pub async fn spot_check(
     if hops.is_empty() {
         return false;
     }
-    // The verified cache rows of every layer a pick recomputes the attention of, taken out
-    // of `known` (moved, not copied) and given back, extended, at the end.
-    let mut held: HashMap<usize, LayerCache> = HashMap::new();
-    {
-        let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
-        let cfg = &node.model_cfg;
-        let first = hops[0].log.inputs.last().map_or(0, |x| x.start);
-        for p in hops.iter().flat_map(|h| &h.picks) {
-            if p.checks.attention() {
-                held.entry(p.layer as usize).or_insert_with(|| {
-                    let mut c = k
-                        .remove(&(p.layer as usize))
-                        .unwrap_or_else(|| LayerCache::new(cfg.num_kv_heads, cfg.head_dim));
-                    // Rows a check of a later hop verified are no use here.
-                    c.truncate(first);
-                    c
-                });
-            }
-        }
-    }
-    // Only a check that recomputes the attention reads the cache: it asks for the rows after
-    // those verified before the batch, or after the end of the batch's last earlier hop that
-    // recomputes the same layer's attention (whose check comes first and extends the cache).
-    let mut verified_to: HashMap<usize, usize> = held.iter().map(|(l, c)| (*l, c.len())).collect();
-    for h in &mut hops {
-        let (start, end) = h
-            .log
-            .inputs
-            .last()
-            .map_or((0, 0), |x| (x.start, x.start + x.rows()));
-        for p in h.picks.iter_mut().filter(|p| p.checks.attention()) {
-            let to = verified_to.entry(p.layer as usize).or_default();
-            p.cache_from = (*to).min(start) as u32;
-            *to = end;
-        }
-    }
+    let mut held = take_verified(&checks, &mut hops, &known);
     // One-row hops in one exchange, sent at once; each prefill hop's picks one layer and at
     // most ROWS_PER_REVEAL rows per exchange, PREFILL_IN_FLIGHT at a time ahead of the checks
     // (bounded memory; the stage keeps only its last few hops, so they go early). Checked in
@@ -240,15 +202,15 @@ pub async fn spot_check(
     }
     let batch = batched.iter().map(|h| h.request(g)).collect::<Vec<_>>();
     let mut batch_task = (!batch.is_empty()).then(|| {
-        let node = node.clone();
-        tokio::spawn(async move { ask(&node, peer, batch).await })
+        let checks = checks.clone();
+        tokio::spawn(async move { ask(&checks, peer, batch).await })
     });
-    let asker = node.clone();
+    let asker = checks.clone();
     let mut alone = futures::stream::iter(alone)
         .map(move |h| {
-            let node = asker.clone();
+            let checks = asker.clone();
             async move {
-                let answer = ask(&node, peer, vec![h.request(g)]).await.remove(0);
+                let answer = ask(&checks, peer, vec![h.request(g)]).await.remove(0);
                 (h, answer)
             }
         })
@@ -264,10 +226,10 @@ pub async fn spot_check(
                 break;
             };
             if answer.is_err() && !replayed.insert(part.step) {
-                tally(&node, |t| t.unavailable += 1);
+                tally(&checks, |t| t.unavailable += 1);
                 continue;
             }
-            proven = check_hop(&node, &seg, part, answer, &session, &mut held).await;
+            proven = check_hop(&checks, &seg, part, answer, &session, &mut held).await;
         } else {
             let Some(h) = batched.next() else {
                 break;
@@ -282,10 +244,10 @@ pub async fn spot_check(
             // hop of the batch that recomputed the same layer went unrevealed or unchecked)
             // are asked again, alone, from where the verified rows end.
             let (h, answer, behind) = split_behind(h, answer, &held);
-            proven = check_hop(&node, &seg, h, answer, &session, &mut held).await;
+            proven = check_hop(&checks, &seg, h, answer, &session, &mut held).await;
             if let (false, Some(b)) = (proven, behind) {
-                let answer = ask(&node, peer, vec![b.request(g)]).await.remove(0);
-                proven = check_hop(&node, &seg, b, answer, &session, &mut held).await;
+                let answer = ask(&checks, peer, vec![b.request(g)]).await.remove(0);
+                proven = check_hop(&checks, &seg, b, answer, &session, &mut held).await;
             }
         }
         if proven {
@@ -301,10 +263,57 @@ pub async fn spot_check(
     proven
 }
 
+/// The verified cache rows of every layer a pick of `hops` recomputes the attention of, taken
+/// out of `known` (moved, not copied; given back, extended, when the checks end), and each
+/// such pick's `cache_from` set to where the rows it needs begin.
+fn take_verified(
+    checks: &Checks,
+    hops: &mut [HopPicks],
+    known: &KnownCaches,
+) -> HashMap<usize, LayerCache> {
+    // The verified cache rows of every layer a pick recomputes the attention of, taken out
+    // of `known` (moved, not copied) and given back, extended, at the end.
+    let mut held: HashMap<usize, LayerCache> = HashMap::new();
+    {
+        let mut k = known.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = &checks.node.model_cfg;
+        let first = hops[0].log.inputs.last().map_or(0, |x| x.start);
+        for p in hops.iter().flat_map(|h| &h.picks) {
+            if p.checks.attention() {
+                held.entry(p.layer as usize).or_insert_with(|| {
+                    let mut c = k
+                        .remove(&(p.layer as usize))
+                        .unwrap_or_else(|| LayerCache::new(cfg.num_kv_heads, cfg.head_dim));
+                    // Rows a check of a later hop verified are no use here.
+                    c.truncate(first);
+                    c
+                });
+            }
+        }
+    }
+    // Only a check that recomputes the attention reads the cache: it asks for the rows after
+    // those verified before the batch, or after the end of the batch's last earlier hop that
+    // recomputes the same layer's attention (whose check comes first and extends the cache).
+    let mut verified_to: HashMap<usize, usize> = held.iter().map(|(l, c)| (*l, c.len())).collect();
+    for h in hops.iter_mut() {
+        let (start, end) = h
+            .log
+            .inputs
+            .last()
+            .map_or((0, 0), |x| (x.start, x.start + x.rows()));
+        for p in h.picks.iter_mut().filter(|p| p.checks.attention()) {
+            let to = verified_to.entry(p.layer as usize).or_default();
+            p.cache_from = (*to).min(start) as u32;
+            *to = end;
+        }
+    }
+    held
+}
+
 /// One reveal exchange with `peer` about `requests` (one hop each, at least one): one answer
 /// per request, in order.
 async fn ask(
-    node: &Arc<Node>,
+    checks: &Arc<Checks>,
     peer: libp2p::PeerId,
     mut requests: Vec<RevealRequest>,
 ) -> Vec<Result<Vec<dc_types::LayerReveal>, String>> {
@@ -313,8 +322,8 @@ async fn ask(
         1 => StageRequest::Reveal(requests.remove(0)),
         _ => StageRequest::RevealHops(requests),
     };
-    tally(node, |t| t.exchanges += 1);
-    match node.client.stage_request(peer, request).await {
+    tally(checks, |t| t.exchanges += 1);
+    match checks.node.client.stage_request(peer, request).await {
         Ok(StageResponse::Reveal(r)) if n == 1 => vec![r],
         Ok(StageResponse::RevealHops(Ok(r))) if r.len() == n => r,
         Ok(StageResponse::RevealHops(Err(e))) => vec![Err(e); n],
@@ -370,7 +379,7 @@ fn split_behind(
 /// Checks one hop's reveal against its picks, extending `held` with the cache rows its
 /// attention checks verify. Returns whether the stage was proven to lie.
 async fn check_hop(
-    node: &Arc<Node>,
+    checks: &Arc<Checks>,
     seg: &RouteHop,
     h: HopPicks,
     answer: Result<Vec<dc_types::LayerReveal>, String>,
@@ -388,7 +397,7 @@ async fn check_hop(
                 Err(e) => e,
                 Ok(_) => "an incomplete answer".into(),
             };
-            tally(node, |t| t.unavailable += 1);
+            tally(checks, |t| t.unavailable += 1);
             // An honest stage keeps every hop a check asks about and can reveal any one layer
             // of it at [`ROWS_PER_REVEAL`] rows: a refusal gets the hop replayed instead, or a
             // liar could refuse the reveals of the hops it lied in.
@@ -396,7 +405,7 @@ async fn check_hop(
                 "{} would not reveal a {rows}-row hop ({why}): auditing it",
                 seg.peer
             );
-            return audit(node.clone(), seg.clone(), log, session.clone()).await;
+            return audit(checks.clone(), seg.clone(), log, session.clone()).await;
         }
     };
     if picks.is_empty() {
@@ -409,11 +418,11 @@ async fn check_hop(
     let layers: Vec<usize> = picks.iter().map(|p| p.layer as usize).collect();
     let parts: u64 = picks.iter().map(|p| p.checks.len() as u64).sum();
     let attention = picks.iter().filter(|p| p.checks.attention()).count() as u64;
-    let (checkers, model) = match (checkers(node, &layers).await, node.serving()) {
+    let (checkers, model) = match (checkers(checks, &layers).await, checks.node.serving()) {
         (Ok(c), Some(s)) => (c, s.model.clone()),
         (Err(e), _) => {
             warn!("cannot spot-check layers {}: {e}", seg.layers);
-            tally(node, |t| t.unavailable += 1);
+            tally(checks, |t| t.unavailable += 1);
             return false;
         }
         (_, None) => return false,
@@ -434,15 +443,21 @@ async fn check_hop(
         .map(|p| match p.checks.attention() {
             true => {
                 let mut c = held.remove(&(p.layer as usize)).unwrap_or_else(|| {
-                    LayerCache::new(node.model_cfg.num_kv_heads, node.model_cfg.head_dim)
+                    LayerCache::new(
+                        checks.node.model_cfg.num_kv_heads,
+                        checks.node.model_cfg.head_dim,
+                    )
                 });
                 c.truncate((p.cache_from as usize).min(start));
                 c
             }
-            false => LayerCache::new(node.model_cfg.num_kv_heads, node.model_cfg.head_dim),
+            false => LayerCache::new(
+                checks.node.model_cfg.num_kv_heads,
+                checks.node.model_cfg.head_dim,
+            ),
         })
         .collect();
-    let gemm = node.gemm.clone();
+    let gemm = checks.node.gemm.clone();
     let checked = tokio::task::spawn_blocking(move || {
         // On the engine's threads, like every other product this peer computes.
         gemm.install(|| check_all(&model, &checkers, &traces, &picks, &reveals, caches))
@@ -451,7 +466,7 @@ async fn check_hop(
     .unwrap_or_else(|e| Err(e.to_string()));
     let checked = checked.map(|verified| held.extend(verified));
     let n = layers.len() as u64;
-    tally(node, |t| {
+    tally(checks, |t| {
         t.run += 1;
         t.layers += n;
         t.parts += parts;
@@ -470,13 +485,13 @@ async fn check_hop(
                 "spot check of {} (layers {}, step {step}) failed: {why}; refereeing",
                 seg.peer, seg.layers
             );
-            referee(node.clone(), &seg.peer, seg.layers, &log).await
+            referee(checks, &seg.peer, seg.layers, &log).await
         }
     }
 }
 
-fn tally(node: &Node, f: impl FnOnce(&mut SpotTally)) {
-    f(&mut node.audits.lock().unwrap_or_else(|e| e.into_inner()).spot);
+fn tally(checks: &Checks, f: impl FnOnce(&mut SpotTally)) {
+    f(&mut checks.book().spot);
 }
 
 /// Checks each revealed layer against its pick, extending that layer's verified cache (`held`,
@@ -520,20 +535,21 @@ fn check_all(
 /// The checkers of `layers`, building the missing ones from our own copy of the weights (one
 /// layer loaded at a time, dropped once `W · r` is computed). The secret never leaves us.
 async fn checkers(
-    node: &Arc<Node>,
+    checks: &Arc<Checks>,
     layers: &[usize],
 ) -> Result<HashMap<usize, Arc<LayerChecker>>, String> {
-    let mut held = node.checkers.lock().await;
+    let mut held = checks.checkers.lock().await;
     let missing: Vec<usize> = layers
         .iter()
         .copied()
         .filter(|l| !held.contains_key(l))
         .collect();
     if !missing.is_empty() {
-        let n2 = node.clone();
+        let own_secret = checks.secret;
+        let n2 = checks.node.clone();
         let built = tokio::task::spawn_blocking(move || -> Result<Vec<LayerChecker>, String> {
             let secret = Domain::HopRecord
-                .hash(&[&b"freivalds"[..], &n2.audit_secret].concat())
+                .hash(&[&b"freivalds"[..], &own_secret].concat())
                 .0;
             let serving = n2.serving();
             let mut out = Vec::new();

@@ -1,132 +1,27 @@
-//! Audits, disputes and exclusion: which hops get re-run and by whom, the referee replay that
-//! turns a disagreement into a fraud proof, and what happens to a peer proven to have lied
-//! (excluded here at once, the proof gossiped, every peer that checks it excludes too).
-//!
-//! Nobody is excluded on a claim: a proof is checked against our own copy of the weights before
-//! anything happens. An auditor's disagreement alone only triggers the referee replay.
+//! Audits: which hops get re-run and by whom. The head's secret coin picks hops; another peer
+//! serving the same layers replays each picked hop in a session cache (continuing it, or
+//! starting from the audited stage's committed cache rows), and the head compares the traces.
+//! An auditor's disagreement alone proves nothing: it sends the hop to the referee.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
-use dc_kernels::{Commitment, Domain};
-use dc_model::{Activations, LoadOptions, Model};
 use dc_types::{
-    AuditRequest, CacheRows, CacheRowsRequest, FraudProof, GenerationId, Gossip, HopRecord,
-    HopTrace, LayerRange, RouteHop, Signed, StageRequest, StageResponse,
+    AuditRequest, CacheRows, CacheRowsRequest, GenerationId, HopTrace, LayerRange, RouteHop,
+    StageRequest, StageResponse,
 };
-use serde_json::{json, Value};
 use tracing::{info, warn};
 
-use crate::node::Node;
-use crate::verify::{build_proof, find_dispute, proof_id, proof_layer, verify_proof};
-use crate::view::Participant;
-
-/// Proofs kept to answer `GetProof` (the oldest go first).
-const MAX_PROOFS: usize = 256;
-
-/// Audit counters of one peer.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Tally {
-    /// Audits run on its hops.
-    pub run: u64,
-    /// Audits that agreed.
-    pub passed: u64,
-    /// Audits that disagreed.
-    pub failed: u64,
-}
-
-/// What this daemon knows about audits and liars.
-#[derive(Debug, Default)]
-pub struct AuditBook {
-    per_peer: BTreeMap<String, Tally>,
-    excluded: BTreeMap<String, (Commitment, Instant)>,
-    proofs: HashMap<Commitment, FraudProof>,
-    order: VecDeque<Commitment>,
-    /// Audits the head wanted but could find no auditor for.
-    pub unavailable: u64,
-    /// Audits run from the audited stage's committed cache rows (one hop each, no replay).
-    pub from_cache: u64,
-    /// Bytes of cache rows those audits carried (received from the stage, sent on).
-    pub from_cache_bytes: u64,
-    /// Spot checks run by this head.
-    pub spot: crate::spot::SpotTally,
-}
-
-impl AuditBook {
-    /// Records an audit's outcome.
-    pub fn record(&mut self, peer: &str, passed: bool) {
-        let t = self.per_peer.entry(peer.to_string()).or_default();
-        t.run += 1;
-        if passed {
-            t.passed += 1;
-        } else {
-            t.failed += 1;
-        }
-    }
-
-    /// Whether `peer` has been proven to lie.
-    pub fn is_excluded(&self, peer: &str) -> bool {
-        self.excluded.contains_key(peer)
-    }
-
-    /// Excludes `peer` on `proof` (kept to answer others).
-    pub fn exclude(&mut self, proof: FraudProof) -> (Commitment, bool) {
-        let id = proof_id(&proof);
-        let fresh = !self.excluded.contains_key(&proof.accused);
-        self.excluded
-            .entry(proof.accused.clone())
-            .or_insert((id, Instant::now()));
-        if !self.proofs.contains_key(&id) {
-            if self.order.len() >= MAX_PROOFS {
-                if let Some(old) = self.order.pop_front() {
-                    self.proofs.remove(&old);
-                }
-            }
-            self.order.push_back(id);
-            self.proofs.insert(id, proof);
-        }
-        (id, fresh)
-    }
-
-    /// A proof we hold.
-    pub fn proof(&self, id: &Commitment) -> Option<FraudProof> {
-        self.proofs.get(id).cloned()
-    }
-
-    /// The status section.
-    pub fn status(&self) -> (Value, Value) {
-        let (mut run, mut passed, mut failed) = (0, 0, 0);
-        let mut per = serde_json::Map::new();
-        for (p, t) in &self.per_peer {
-            run += t.run;
-            passed += t.passed;
-            failed += t.failed;
-            per.insert(
-                p.clone(),
-                json!({"run": t.run, "passed": t.passed, "failed": t.failed}),
-            );
-        }
-        let s = &self.spot;
-        let spot = json!({"run": s.run, "passed": s.passed, "failed": s.failed,
-            "unavailable": s.unavailable, "layers": s.layers, "parts": s.parts,
-            "attention": s.attention, "bytes": s.bytes, "exchanges": s.exchanges});
-        let audits = json!({"run": run, "passed": passed, "failed": failed, "unavailable": self.unavailable, "from_cache": self.from_cache,
-            "from_cache_bytes": self.from_cache_bytes, "per_peer": per, "spot_checks": spot});
-        let excluded: Vec<Value> = self
-            .excluded
-            .iter()
-            .map(|(p, (id, _))| json!({"peer_id": p, "proof_id": id.to_hex()}))
-            .collect();
-        (audits, Value::Array(excluded))
-    }
-}
+use super::checks::Checks;
+use super::log::StageLog;
+use super::referee::referee;
+use crate::core::view::Participant;
+use crate::core::wire::to_wire;
+use crate::core::Node;
 
 /// The head's private coin: whether to audit this hop. Unpredictable to the stage, which cannot
 /// know the head's secret when it commits.
 pub fn should_audit(
-    node: &Node,
+    checks: &Checks,
     g: &dc_types::GenerationId,
     step: u64,
     seg: usize,
@@ -135,7 +30,7 @@ pub fn should_audit(
     if rate <= 0.0 {
         return false;
     }
-    let mut h = blake3::Hasher::new_keyed(&node.audit_secret);
+    let mut h = blake3::Hasher::new_keyed(&checks.secret);
     h.update(&g.0);
     h.update(&step.to_le_bytes());
     h.update(&(seg as u64).to_le_bytes());
@@ -176,19 +71,6 @@ pub fn pick_peer(
         .map(|p| p.peer.clone())
 }
 
-/// Everything the head kept about one route stage in one generation. The inputs and traces
-/// are shared, not copied, when the log is cloned: every hop's spot check and audit takes the
-/// log so far, and copying it whole would make a generation's checks quadratic in its length.
-#[derive(Clone, Debug, Default)]
-pub struct StageLog {
-    /// Inputs of each hop, in order.
-    pub inputs: Vec<Arc<Activations>>,
-    /// The signed records.
-    pub records: Vec<Signed<HopRecord>>,
-    /// Their traces.
-    pub traces: Vec<Arc<HopTrace>>,
-}
-
 /// A head's audits of one stage in one attempt: which peer audits it and how many positions
 /// that auditor's session cache already holds, so each input (or committed cache row) is sent
 /// and each position computed once.
@@ -204,8 +86,8 @@ pub struct AuditSession {
 
 impl AuditSession {
     /// A session for route stage `seg` of generation `g`.
-    pub fn new(node: &Node, g: &GenerationId, seg: usize) -> AuditSession {
-        let mut h = blake3::Hasher::new_keyed(&node.audit_secret);
+    pub fn new(checks: &Checks, g: &GenerationId, seg: usize) -> AuditSession {
+        let mut h = blake3::Hasher::new_keyed(&checks.secret);
         h.update(b"audit session");
         h.update(&g.0);
         h.update(&(seg as u64).to_le_bytes());
@@ -219,13 +101,11 @@ impl AuditSession {
     }
 
     /// Frees the auditor's cache.
-    pub fn end(&self, node: &Arc<Node>) {
+    pub fn end(&self, checks: &Checks) {
+        let node = &checks.node;
         match self.auditor.as_deref() {
             Some(a) if a == node.local => {
-                node.caches
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .end(&self.id, &node.local);
+                checks.stage.end(&self.id, &node.local);
             }
             Some(a) => {
                 if let Ok(peer) = a.parse() {
@@ -246,11 +126,12 @@ impl AuditSession {
 /// on disagreement, referees and, if proven, excludes. Returns whether the accused was proven
 /// to lie.
 pub async fn audit(
-    node: Arc<Node>,
+    checks: Arc<Checks>,
     seg: RouteHop,
     log: StageLog,
     session: Arc<tokio::sync::Mutex<AuditSession>>,
 ) -> bool {
+    let node = &checks.node;
     let Some(last) = log.inputs.last() else {
         return false;
     };
@@ -270,16 +151,13 @@ pub async fn audit(
     let auditor = match keep {
         Some(a) => a,
         None => {
-            session.end(&node);
+            session.end(&checks);
             session.held = 0;
-            session.auditor = pick_auditor(&node, seg.layers, &seg.peer, &session.id.0);
+            session.auditor = pick_auditor(node, seg.layers, &seg.peer, &session.id.0);
             match session.auditor.clone() {
                 Some(a) => a,
                 None => {
-                    node.audits
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .unavailable += 1;
+                    checks.book().unavailable += 1;
                     return false;
                 }
             }
@@ -293,10 +171,10 @@ pub async fn audit(
     } else {
         0
     };
-    if let Some(trace) = audit_from_cache(&node, &seg, &log, &auditor, &session, resume).await {
+    if let Some(trace) = audit_from_cache(&checks, &seg, &log, &auditor, &session, resume).await {
         session.held = last.start + last.rows();
         drop(session);
-        return judge(node, seg, log, &auditor, trace).await;
+        return judge(&checks, seg, log, &auditor, trace).await;
     }
     let mut theirs = Err(String::new());
     let tries: &[usize] = if resume > 0 { &[resume, 0] } else { &[0] };
@@ -307,14 +185,11 @@ pub async fn audit(
             layers: seg.layers,
             from: last.start as u32,
             session: session.id,
-            hops: log.inputs[skip..]
-                .iter()
-                .map(|x| crate::verify::wire(x))
-                .collect(),
+            hops: log.inputs[skip..].iter().map(|x| to_wire(x)).collect(),
             cache: None,
         };
         theirs = if auditor == node.local {
-            crate::stage::serve_audit(node.clone(), req, &node.local).await
+            checks.stage.serve_audit(req, &node.local).await
         } else {
             let Ok(peer) = auditor.parse() else {
                 return false;
@@ -344,31 +219,25 @@ pub async fn audit(
                 seg.peer, seg.layers
             );
             session.held = 0;
-            node.audits
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .unavailable += 1;
+            checks.book().unavailable += 1;
             return false;
         }
     };
     drop(session);
-    judge(node, seg, log, &auditor, trace).await
+    judge(&checks, seg, log, &auditor, trace).await
 }
 
 /// Compares the auditor's trace of the last hop in `log` with the stage's; on disagreement,
 /// referees. Returns whether the stage was proven to lie.
 async fn judge(
-    node: Arc<Node>,
+    checks: &Arc<Checks>,
     seg: RouteHop,
     log: StageLog,
     auditor: &str,
     trace: HopTrace,
 ) -> bool {
     let agreed = log.traces.last().map(|t| &**t) == Some(&trace);
-    node.audits
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .record(&seg.peer, agreed);
+    checks.book().record(&seg.peer, agreed);
     if agreed {
         return false;
     }
@@ -376,7 +245,7 @@ async fn judge(
         "audit by {auditor} disagrees with {} on layers {}: refereeing",
         seg.peer, seg.layers
     );
-    referee(node, &seg.peer, seg.layers, &log).await
+    referee(checks, &seg.peer, seg.layers, &log).await
 }
 
 /// An audit of the last hop in `log` that starts from the audited stage's own KV cache rows
@@ -389,13 +258,14 @@ async fn judge(
 /// does not reveal, its rows do not match its commitments, they are too large for a message,
 /// the auditor fails — and the caller replays.
 async fn audit_from_cache(
-    node: &Arc<Node>,
+    checks: &Arc<Checks>,
     seg: &RouteHop,
     log: &StageLog,
     auditor: &str,
     session: &AuditSession,
     held: usize,
 ) -> Option<HopTrace> {
+    let node = &checks.node;
     let (last, record) = (log.inputs.last()?, log.records.last()?);
     if last.start == 0 {
         return None;
@@ -459,14 +329,14 @@ async fn audit_from_cache(
         layers: seg.layers,
         from: last.start as u32,
         session: session.id,
-        hops: vec![crate::verify::wire(last)],
+        hops: vec![to_wire(last)],
         cache: Some(CacheRows {
             from: held as u32,
             rows,
         }),
     };
     let answer = if auditor == node.local {
-        crate::stage::serve_audit(node.clone(), req, &node.local).await
+        checks.stage.serve_audit(req, &node.local).await
     } else {
         match node
             .client
@@ -480,7 +350,7 @@ async fn audit_from_cache(
     };
     match answer {
         Ok(trace) => {
-            let mut book = node.audits.lock().unwrap_or_else(|e| e.into_inner());
+            let mut book = checks.book();
             book.from_cache += 1;
             book.from_cache_bytes += bytes as u64;
             Some(trace)
@@ -490,172 +360,6 @@ async fn audit_from_cache(
             None
         }
     }
-}
-
-/// Replays the accused's hops ourselves (loading its layers from our own model file), finds the
-/// first difference, builds the proof, checks it, and excludes the accused if it holds.
-pub async fn referee(node: Arc<Node>, accused: &str, layers: LayerRange, log: &StageLog) -> bool {
-    // One refereeing at a time: several audits of one generation often fail together, and
-    // once the first has proven the lie the others have nothing left to do.
-    let gate_holder = node.clone();
-    let _gate = gate_holder.referee_gate.lock().await;
-    if node.is_excluded(accused) {
-        return true;
-    }
-    let model = match referee_model(&node, layers).await {
-        Ok(m) => m,
-        Err(e) => {
-            warn!("cannot referee layers {layers}: {e}");
-            return false;
-        }
-    };
-    let (n2, log2) = (node.clone(), log.clone());
-    let found = tokio::task::spawn_blocking(move || {
-        find_dispute(&model, &n2.gemm, layers, &log2.inputs, &log2.traces)
-    })
-    .await;
-    let dispute = match found {
-        Ok(Ok(Some(d))) => d,
-        Ok(Ok(None)) => {
-            info!("referee: {accused}'s hops on layers {layers} are correct");
-            return false;
-        }
-        Ok(Err(e)) => {
-            warn!("referee replay failed: {e}");
-            return false;
-        }
-        Err(e) => {
-            warn!("referee replay failed: {e}");
-            return false;
-        }
-    };
-    let proof = build_proof(node.model_id, accused, &dispute, &log.records, &log.traces);
-    accept_proof(node, proof, true).await
-}
-
-/// Loads (or reuses) a model holding `layers` for refereeing and proof checks.
-async fn referee_model(node: &Arc<Node>, layers: LayerRange) -> Result<Arc<Model>, String> {
-    if let Some(s) = node.serving() {
-        if s.layers.covers(&layers) {
-            return Ok(s.model.clone());
-        }
-    }
-    let mut slot = node.referee.lock().await;
-    if let Some((r, m)) = slot.as_ref() {
-        if r.covers(&layers) {
-            return Ok(m.clone());
-        }
-    }
-    let path = node.cfg.model.clone();
-    let data_dir = node.cfg.data_dir.clone();
-    let m = tokio::task::spawn_blocking(move || {
-        Model::load(
-            &path,
-            &LoadOptions {
-                layers: Some(layers.as_range()),
-                head: false,
-                cache_in: Some(data_dir),
-            },
-        )
-    })
-    .await
-    .map_err(|e| e.to_string())?
-    .map_err(|e| e.to_string())?;
-    let m = Arc::new(m);
-    *slot = Some((layers, m.clone()));
-    Ok(m)
-}
-
-/// Checks a proof against our weights; if it holds, excludes the accused and (when `gossip`)
-/// announces the proof. Returns whether it held.
-pub async fn accept_proof(node: Arc<Node>, proof: FraudProof, gossip: bool) -> bool {
-    if node
-        .audits
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .is_excluded(&proof.accused)
-    {
-        return true;
-    }
-    let model = match proof_layer(&proof) {
-        Some(l) if l < node.model_cfg.num_layers as u32 => match referee_model(
-            &node,
-            LayerRange {
-                start: l,
-                end: l + 1,
-            },
-        )
-        .await
-        {
-            Ok(m) => Some(m),
-            Err(e) => {
-                warn!("cannot check a proof against {}: {e}", proof.accused);
-                return false;
-            }
-        },
-        Some(l) => {
-            warn!("a proof names layer {l}, beyond the model");
-            return false;
-        }
-        None => None,
-    };
-    let (n2, p2) = (node.clone(), proof.clone());
-    let checked = tokio::task::spawn_blocking(move || {
-        verify_proof(&p2, n2.model_id, &n2.model_cfg, model.as_deref(), &n2.gemm)
-    })
-    .await;
-    match checked {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            warn!("a proof against {} does not hold: {e}", proof.accused);
-            return false;
-        }
-        Err(e) => {
-            warn!("checking a proof failed: {e}");
-            return false;
-        }
-    }
-    let accused = proof.accused.clone();
-    let json = serde_json::to_vec(&proof).ok();
-    let (id, fresh) = node
-        .audits
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .exclude(proof);
-    // Keep the proof where operators find it (`dcd verify-proof <file>` checks it anywhere).
-    if let (true, Some(bytes)) = (fresh, json) {
-        let dir = node.cfg.data_dir.join("proofs");
-        if std::fs::create_dir_all(&dir).is_ok() {
-            let _ = std::fs::write(dir.join(format!("{}.json", id.to_hex())), bytes);
-        }
-    }
-    if fresh {
-        println!("excluded peer {accused}: proof {id}");
-        warn!("excluded peer {accused}: fraud proof {id}");
-        node.stats.exclusions.fetch_add(1, Ordering::Relaxed);
-    }
-    if gossip {
-        node.gossip(&Gossip::Proof { id, accused }).await;
-    }
-    true
-}
-
-/// Proof id, for logs.
-pub fn short(id: &Commitment) -> String {
-    id.to_hex()[..12].to_string()
-}
-
-/// Domain-separated secret for the audit coin, from the time, the process and the identity.
-pub fn new_secret(identity: &[u8]) -> [u8; 32] {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let mut b = Vec::new();
-    b.extend_from_slice(&now.to_le_bytes());
-    b.extend_from_slice(&std::process::id().to_le_bytes());
-    b.extend_from_slice(identity);
-    Domain::HopRecord.hash(&b).0
 }
 
 #[cfg(test)]

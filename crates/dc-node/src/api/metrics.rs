@@ -8,15 +8,14 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use dc_types::PeerState;
 
-use crate::node::Node;
-use crate::view::coverage;
+use crate::core::view::coverage;
+use crate::daemon::Daemon;
 
 /// The content type Prometheus expects for the text format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -140,12 +139,21 @@ fn escape_help(v: &str) -> String {
     v.replace('\\', "\\\\").replace('\n', "\\n")
 }
 
-/// The exposition text of `node`'s metrics.
-pub fn render(node: &Node) -> String {
+/// The exposition text of the daemon's metrics.
+pub fn render(d: &Daemon) -> String {
     let mut e = Exposition::default();
-    let serving = node.serving();
-    let stats = &node.stats;
+    identity(&mut e, d);
+    work(&mut e, d);
+    swarm(&mut e, d);
+    layers(&mut e, d);
+    resources(&mut e, d);
+    e.out
+}
 
+/// What this daemon is and serves.
+fn identity(e: &mut Exposition, d: &Daemon) {
+    let node = &d.node;
+    let serving = node.serving();
     e.family(
         "dcd_info",
         Kind::Gauge,
@@ -168,7 +176,11 @@ pub fn render(node: &Node) -> String {
         ],
         1u64,
     );
+}
 
+/// The work it has done and does now.
+fn work(e: &mut Exposition, d: &Daemon) {
+    let (node, stats) = (&d.node, &d.node.stats);
     e.single(
         "dcd_tokens_generated_total",
         Kind::Counter,
@@ -205,7 +217,11 @@ pub fn render(node: &Node) -> String {
         "Generations this daemon accepts at once (--max-generations).",
         node.cfg.max_generations as u64,
     );
+}
 
+/// The peers it knows, and its own state.
+fn swarm(e: &mut Exposition, d: &Daemon) {
+    let node = &d.node;
     // Count peers by state under the lock, write after releasing it.
     let mut by_state = [0u64; PEER_STATES.len()];
     {
@@ -234,7 +250,12 @@ pub fn render(node: &Node) -> String {
     for s in PEER_STATES {
         e.sample("dcd_state", &[("state", s.name())], s == state);
     }
+}
 
+/// The model's layers: which it serves, and how the swarm covers them.
+fn layers(e: &mut Exposition, d: &Daemon) {
+    let node = &d.node;
+    let serving = node.serving();
     e.single(
         "dcd_model_layers",
         Kind::Gauge,
@@ -262,7 +283,11 @@ pub fn render(node: &Node) -> String {
     for (layer, n) in cov.iter().enumerate() {
         e.sample("dcd_layer_coverage", &[("layer", &layer.to_string())], *n);
     }
+}
 
+/// Memory, throughput, uptime and pausing.
+fn resources(e: &mut Exposition, d: &Daemon) {
+    let node = &d.node;
     e.single(
         "dcd_weights_bytes",
         Kind::Gauge,
@@ -273,10 +298,7 @@ pub fn render(node: &Node) -> String {
         "dcd_kv_cache_bytes",
         Kind::Gauge,
         "Memory the KV caches of the generations we serve take, bytes.",
-        node.caches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .bytes() as u64,
+        d.stage.cache_bytes() as u64,
     );
     // No sample when there is no budget: 0 would read as "nothing allowed".
     e.family(
@@ -305,12 +327,11 @@ pub fn render(node: &Node) -> String {
         "1 while new work is paused (idle-only mode and the machine is busy).",
         node.paused(),
     );
-    e.out
 }
 
 /// The metrics page.
-pub async fn handler(State(node): State<Arc<Node>>) -> Response {
-    ([(header::CONTENT_TYPE, CONTENT_TYPE)], render(&node)).into_response()
+pub async fn handler(State(d): State<Daemon>) -> Response {
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], render(&d)).into_response()
 }
 
 #[cfg(test)]

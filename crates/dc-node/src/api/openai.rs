@@ -17,7 +17,6 @@
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
@@ -34,7 +33,9 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use crate::node::{start_generation, Node};
+use crate::core::Node;
+use crate::daemon::Daemon;
+use crate::head::start_generation;
 
 /// `max_tokens` when a request gives none. OpenAI's chat API then runs to the end of the
 /// context; on a swarm of CPUs that can take many minutes, so a request that forgot the bound
@@ -805,7 +806,8 @@ impl Running {
     /// Starts `req`, refusing while paused or full, and waits until the head has accepted it,
     /// so that a generation that cannot start is an HTTP error rather than a 200 with an
     /// error inside.
-    async fn start(node: &Arc<Node>, req: GenerationRequest) -> Result<Running, ApiError> {
+    async fn start(d: &Daemon, req: GenerationRequest) -> Result<Running, ApiError> {
+        let node = &d.node;
         if node.paused() {
             return Err(ApiError::unavailable(
                 "paused",
@@ -824,7 +826,7 @@ impl Running {
             .code("too_many_generations"));
         };
         node.stats.requests.fetch_add(1, Ordering::Relaxed);
-        let mut events = start_generation(node.clone(), req)
+        let mut events = start_generation(d.clone(), req)
             .await
             .map_err(|e| ApiError::unavailable("no_route", e))?;
         let pending = match events.recv().await {
@@ -1090,7 +1092,7 @@ fn unix_now() -> u64 {
 
 /// Runs a generation and answers it, whole or streamed.
 async fn generate(
-    node: Arc<Node>,
+    d: Daemon,
     endpoint: Endpoint,
     model: String,
     tok: Tokenizer,
@@ -1103,8 +1105,8 @@ async fn generate(
         Endpoint::Completion => "prompt",
     };
     let prompt_tokens = prompt.len();
-    let req = request(&node, generation, prompt, &p, param)?;
-    let run = Running::start(&node, req).await?;
+    let req = request(&d.node, generation, prompt, &p, param)?;
+    let run = Running::start(&d, req).await?;
     let meta = Meta {
         endpoint,
         id: format!("{}{generation}", endpoint.id_prefix()),
@@ -1114,7 +1116,7 @@ async fn generate(
         fingerprint: format!(
             "dcd-{}-{}",
             env!("CARGO_PKG_VERSION"),
-            node.model_id.short()
+            d.node.model_id.short()
         ),
         prompt_tokens,
     };
@@ -1217,50 +1219,53 @@ fn stream(meta: Meta, mut run: Running, mut out: Output, include_usage: bool) ->
 }
 
 async fn completions(
-    State(node): State<Arc<Node>>,
+    State(d): State<Daemon>,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
     async {
+        let node = &d.node;
         let Json(body) = body.map_err(|e| from_rejection(&e))?;
         let mut f = Fields::new(body)?;
-        let model = check_model(&node, &mut f)?;
-        let tok = tokenizer(&node)?.clone();
+        let model = check_model(node, &mut f)?;
+        let tok = tokenizer(node)?.clone();
         refuse_unsupported(&mut f, Endpoint::Completion)?;
-        let p = params(&node, &mut f, Endpoint::Completion)?;
+        let p = params(node, &mut f, Endpoint::Completion)?;
         let prompt = completion_prompt(&tok, f.take::<Value>("prompt")?)?;
-        generate(node, Endpoint::Completion, model, tok, prompt, p).await
+        generate(d.clone(), Endpoint::Completion, model, tok, prompt, p).await
     }
     .await
     .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn chat_completions(
-    State(node): State<Arc<Node>>,
+    State(d): State<Daemon>,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
     async {
+        let node = &d.node;
         let Json(body) = body.map_err(|e| from_rejection(&e))?;
         let mut f = Fields::new(body)?;
-        let model = check_model(&node, &mut f)?;
-        let tok = tokenizer(&node)?.clone();
+        let model = check_model(node, &mut f)?;
+        let tok = tokenizer(node)?.clone();
         refuse_unsupported(&mut f, Endpoint::Chat)?;
-        let p = params(&node, &mut f, Endpoint::Chat)?;
-        let prompt = chat_prompt(&node, &tok, f.take::<Value>("messages")?)?;
-        generate(node, Endpoint::Chat, model, tok, prompt, p).await
+        let p = params(node, &mut f, Endpoint::Chat)?;
+        let prompt = chat_prompt(node, &tok, f.take::<Value>("messages")?)?;
+        generate(d.clone(), Endpoint::Chat, model, tok, prompt, p).await
     }
     .await
     .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn models(State(node): State<Arc<Node>>) -> Response {
-    Json(json!({"object": "list", "data": [model_object(&node)]})).into_response()
+async fn models(State(d): State<Daemon>) -> Response {
+    Json(json!({"object": "list", "data": [model_object(&d.node)]})).into_response()
 }
 
-async fn model(State(node): State<Arc<Node>>, Path(name): Path<String>) -> Response {
-    if is_our_model(&node, &name) {
-        Json(model_object(&node)).into_response()
+async fn model(State(d): State<Daemon>, Path(name): Path<String>) -> Response {
+    let node = &d.node;
+    if is_our_model(node, &name) {
+        Json(model_object(node)).into_response()
     } else {
-        model_not_found(&model_name(&node), &name).into_response()
+        model_not_found(&model_name(node), &name).into_response()
     }
 }
 
@@ -1287,7 +1292,7 @@ async fn unknown_endpoint(uri: axum::http::Uri) -> Response {
 }
 
 /// The `/v1/...` routes.
-pub fn router() -> Router<Arc<Node>> {
+pub fn router() -> Router<Daemon> {
     Router::new()
         .route("/v1/models", get(models).fallback(wrong_method))
         .route("/v1/models/{model}", get(model).fallback(wrong_method))

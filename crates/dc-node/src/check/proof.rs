@@ -9,11 +9,9 @@ use std::borrow::Borrow;
 
 use dc_kernels::{Commitment, Domain, Gemm};
 use dc_model::{Activations, KvCache, Model, ModelConfig};
-use dc_types::{
-    FraudProof, HopRecord, HopTrace, LayerRange, ModelId, Point, ProofKind, Signed, WireActivations,
-};
+use dc_types::{FraudProof, HopRecord, HopTrace, LayerRange, ModelId, Point, ProofKind, Signed};
 
-use crate::stage::{from_wire, to_wire};
+use crate::core::wire::{from_wire, to_wire};
 
 /// Checks that a record and its trace agree: the trace is well formed for the record's layers,
 /// its root is the record's `gemms`, and its first input and last output are the record's.
@@ -178,102 +176,121 @@ pub fn verify_proof(
             return Err("the records are not of one generation and layer range".into());
         }
     }
-    let last = p.records.len() - 1;
     match p.kind {
-        ProofKind::Inconsistent => {
-            // The trace is not signed, only its root: a trace with another root is not the
-            // accused's (anyone can pair an honest record with one), so it proves nothing.
-            let (record, trace) = (&p.records[last].body, &p.traces[last]);
-            if trace.root() != record.gemms {
-                return Err("the trace is not the one the accused's record signs".into());
-            }
-            match check_consistency(record, trace) {
-                Err(_) => Ok(()),
-                Ok(()) => Err("the accused's record agrees with its trace".into()),
-            }
-        }
-        ProofKind::Recompute { layer } => {
-            let layers = first.layers;
-            if !layers.contains(layer) {
-                return Err(format!(
-                    "layer {layer} is not in the accused's range {layers}"
-                ));
-            }
-            if p.layer_inputs.len() != p.records.len() {
-                return Err("the proof needs the layer's input for every hop".into());
-            }
-            // One run's records, from its first hop: a generation id run twice gives two
-            // chains, and a replay of records spliced from both would fault an honest stage.
-            let mut previous = HopRecord::FIRST;
-            for (k, r) in p.records.iter().enumerate() {
-                if r.body.previous != previous {
-                    return Err(format!(
-                        "record {k} does not continue the chain of the records before it (not \
-                         one run of the generation from its first hop)"
-                    ));
-                }
-                previous = r.body.chain();
-            }
-            for (r, t) in p.records.iter().zip(&p.traces) {
-                // A record that disagrees with its own trace would be a proof by itself; here
-                // we require consistency so the comparison below means what it says.
-                check_consistency(&r.body, t).map_err(|e| format!("hop {}: {e}", r.body.step))?;
-            }
-            let model = model.ok_or("re-running the layer needs the model's weights")?;
-            let mut cache = KvCache::new(cfg, layer as usize..layer as usize + 1);
-            let mut next = 0usize;
-            for (k, w) in p.layer_inputs.iter().enumerate() {
-                let x = from_wire(w.clone(), cfg.hidden_size, cfg.max_positions)
-                    .map_err(|e| format!("layer input {k}: {e}"))?;
-                if x.start != next {
-                    return Err(format!(
-                        "layer input {k} starts at {}, expected {next}",
-                        x.start
-                    ));
-                }
-                next = x.start + x.rows();
-                if Some(x.commitment()) != p.traces[k].get(layer, Point::Input) {
-                    return Err(format!(
-                        "layer input {k} is not what the accused committed to"
-                    ));
-                }
-                if k < last {
-                    model
-                        .run_layers(gemm, x, &mut cache)
-                        .map_err(|e| format!("re-running layer {layer}: {e}"))?;
-                    continue;
-                }
-                let mut t = HopTrace::from_position(x.start);
-                model
-                    .run_layers_traced(gemm, x, &mut cache, Some(&mut t))
-                    .map_err(|e| format!("re-running layer {layer}: {e}"))?;
-                // Compare every product of the layer and its output with the accused's.
-                let theirs = &p.traces[last];
-                let their_output = if layer + 1 < layers.end {
-                    theirs.get(layer + 1, Point::Input)
-                } else {
-                    theirs.get(layer, Point::Output)
-                };
-                for e in &t.entries {
-                    let claimed = match e.point {
-                        Point::Input => continue,
-                        Point::Output => their_output,
-                        p => theirs.get(layer, p),
-                    };
-                    if claimed != Some(e.commitment) {
-                        return Ok(());
-                    }
-                }
-                return Err(format!(
-                    "the accused's commitments for layer {layer} are correct"
-                ));
-            }
-            Err("no layer inputs".into())
-        }
+        ProofKind::Inconsistent => verify_inconsistent(p),
+        ProofKind::Recompute { layer } => verify_recompute(p, layer, cfg, model, gemm),
     }
 }
 
-/// A hop's input and output activations as the head keeps them for audits.
-pub fn wire(a: &Activations) -> WireActivations {
-    to_wire(a)
+/// An `Inconsistent` proof holds when the accused's last record disagrees with the trace it
+/// signs.
+fn verify_inconsistent(p: &FraudProof) -> Result<(), String> {
+    let last = p.records.len() - 1;
+    // The trace is not signed, only its root: a trace with another root is not the
+    // accused's (anyone can pair an honest record with one), so it proves nothing.
+    let (record, trace) = (&p.records[last].body, &p.traces[last]);
+    if trace.root() != record.gemms {
+        return Err("the trace is not the one the accused's record signs".into());
+    }
+    match check_consistency(record, trace) {
+        Err(_) => Ok(()),
+        Ok(()) => Err("the accused's record agrees with its trace".into()),
+    }
+}
+
+/// A `Recompute` proof holds when re-running `layer` over the committed layer inputs of one
+/// run of the generation gives other commitments than the accused's last hop.
+fn verify_recompute(
+    p: &FraudProof,
+    layer: u32,
+    cfg: &ModelConfig,
+    model: Option<&Model>,
+    gemm: &Gemm,
+) -> Result<(), String> {
+    let last = p.records.len() - 1;
+    let layers = p.records[0].body.layers;
+    if !layers.contains(layer) {
+        return Err(format!(
+            "layer {layer} is not in the accused's range {layers}"
+        ));
+    }
+    if p.layer_inputs.len() != p.records.len() {
+        return Err("the proof needs the layer's input for every hop".into());
+    }
+    // One run's records, from its first hop: a generation id run twice gives two
+    // chains, and a replay of records spliced from both would fault an honest stage.
+    let mut previous = HopRecord::FIRST;
+    for (k, r) in p.records.iter().enumerate() {
+        if r.body.previous != previous {
+            return Err(format!(
+                "record {k} does not continue the chain of the records before it (not \
+                 one run of the generation from its first hop)"
+            ));
+        }
+        previous = r.body.chain();
+    }
+    for (r, t) in p.records.iter().zip(&p.traces) {
+        // A record that disagrees with its own trace would be a proof by itself; here
+        // we require consistency so the comparison below means what it says.
+        check_consistency(&r.body, t).map_err(|e| format!("hop {}: {e}", r.body.step))?;
+    }
+    let model = model.ok_or("re-running the layer needs the model's weights")?;
+    let mut cache = KvCache::new(cfg, layer as usize..layer as usize + 1);
+    let mut next = 0usize;
+    for (k, w) in p.layer_inputs.iter().enumerate() {
+        let x = from_wire(w.clone(), cfg.hidden_size, cfg.max_positions)
+            .map_err(|e| format!("layer input {k}: {e}"))?;
+        if x.start != next {
+            return Err(format!(
+                "layer input {k} starts at {}, expected {next}",
+                x.start
+            ));
+        }
+        next = x.start + x.rows();
+        if Some(x.commitment()) != p.traces[k].get(layer, Point::Input) {
+            return Err(format!(
+                "layer input {k} is not what the accused committed to"
+            ));
+        }
+        if k < last {
+            model
+                .run_layers(gemm, x, &mut cache)
+                .map_err(|e| format!("re-running layer {layer}: {e}"))?;
+            continue;
+        }
+        let mut t = HopTrace::from_position(x.start);
+        model
+            .run_layers_traced(gemm, x, &mut cache, Some(&mut t))
+            .map_err(|e| format!("re-running layer {layer}: {e}"))?;
+        return differs_from_accused(&t, &p.traces[last], layer, layers);
+    }
+    Err("no layer inputs".into())
+}
+
+/// `Ok` when the honest trace `ours` of `layer` differs from the accused's trace `theirs` in
+/// any product of the layer or its output.
+fn differs_from_accused(
+    ours: &HopTrace,
+    theirs: &HopTrace,
+    layer: u32,
+    layers: LayerRange,
+) -> Result<(), String> {
+    let their_output = if layer + 1 < layers.end {
+        theirs.get(layer + 1, Point::Input)
+    } else {
+        theirs.get(layer, Point::Output)
+    };
+    for e in &ours.entries {
+        let claimed = match e.point {
+            Point::Input => continue,
+            Point::Output => their_output,
+            p => theirs.get(layer, p),
+        };
+        if claimed != Some(e.commitment) {
+            return Ok(());
+        }
+    }
+    Err(format!(
+        "the accused's commitments for layer {layer} are correct"
+    ))
 }

@@ -26,6 +26,12 @@
 //!   middle of a generation), so the head must go on without it.
 //! - `flip-leave`: flips a bit like `flip-bit` on its prefill hops, then leaves like `leave`:
 //!   the peer taking its layers over replays other outputs than the ones it signed.
+//!
+//! A lying daemon also announces a far larger throughput than it measured, as a real liar
+//! wanting traffic would, so that heads route through it.
+//!
+//! The faults wrap the stage from outside: [`Lying`] is the stage's [`HopRunner`] when a fault
+//! is configured at start, and the honest path knows nothing of it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -35,7 +41,9 @@ use dc_model::attention::LayerCache;
 use dc_model::{Activations, KeptHop, KvCache, Model};
 use dc_types::{GenerationId, HopTrace, Point};
 
-use crate::node::Node;
+use dc_kernels::Gemm;
+
+use super::runner::{HopId, HopRunner};
 
 /// How to lie.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,22 +128,44 @@ pub fn configured() -> Option<Fault> {
     *CONFIGURED.get_or_init(|| std::env::var("DCD_FAULT").ok().and_then(|s| s.parse().ok()))
 }
 
-/// The chain a record names for hop `step` of `g`: `previous`, unless this daemon breaks the
-/// chain (`chain`) on this hop.
-pub fn previous(previous: Commitment, g: &GenerationId, step: u64) -> Commitment {
-    match configured() {
-        Some(f) if f.kind == FaultKind::Chain && coin(g, step, 1) < f.fraction as f64 => {
-            tracing::info!("fault: signing step {step} of generation {g} off the chain");
-            Commitment(Domain::HopRecord.hash(&previous.0).0)
-        }
-        _ => previous,
-    }
+/// The runner of a daemon configured to lie (see the module's list of faults).
+#[derive(Debug)]
+pub struct Lying {
+    fault: Fault,
 }
 
-/// The trace sent with the record of hop `step` of `g`: `trace`, unless this daemon sends
-/// another one (`trace`) on this hop: one product's commitment changed after signing.
-pub fn sent_trace(mut trace: HopTrace, g: &GenerationId, step: u64) -> HopTrace {
-    if let Some(f) = configured() {
+/// The lying runner, if a fault is configured.
+pub fn chosen() -> Option<Lying> {
+    configured().map(|fault| Lying { fault })
+}
+
+impl HopRunner for Lying {
+    fn run(
+        &self,
+        model: &Model,
+        gemm: &Gemm,
+        x: Activations,
+        cache: &mut KvCache,
+        trace: &mut HopTrace,
+        hop: HopId,
+    ) -> dc_model::Result<(Activations, KeptHop)> {
+        run(self.fault, model, gemm, x, cache, trace, hop)
+    }
+
+    /// `previous`, unless this daemon breaks the chain (`chain`) on this hop.
+    fn previous(&self, previous: Commitment, hop: HopId) -> Commitment {
+        let (f, g, step) = (self.fault, &hop.generation, hop.step);
+        if f.kind == FaultKind::Chain && coin(g, step, 1) < f.fraction as f64 {
+            tracing::info!("fault: signing step {step} of generation {g} off the chain");
+            return Commitment(Domain::HopRecord.hash(&previous.0).0);
+        }
+        previous
+    }
+
+    /// `trace`, unless this daemon sends another one (`trace`) on this hop: one product's
+    /// commitment changed after signing.
+    fn sent_trace(&self, mut trace: HopTrace, hop: HopId) -> HopTrace {
+        let (f, g, step) = (self.fault, &hop.generation, hop.step);
         if f.kind == FaultKind::Trace && coin(g, step, 1) < f.fraction as f64 {
             tracing::info!("fault: sending step {step} of generation {g} with another trace");
             if let Some(e) = trace
@@ -146,13 +176,17 @@ pub fn sent_trace(mut trace: HopTrace, g: &GenerationId, step: u64) -> HopTrace 
                 e.commitment = Commitment(Domain::HopRecord.hash(&e.commitment.0).0);
             }
         }
+        trace
     }
-    trace
-}
 
-/// Whether this daemon refuses every reveal (`hide`).
-pub fn hides() -> bool {
-    configured().is_some_and(|f| f.kind == FaultKind::Hide)
+    /// Refuses every reveal under `hide`.
+    fn reveals(&self) -> bool {
+        self.fault.kind != FaultKind::Hide
+    }
+
+    fn announced_throughput(&self, measured: f32) -> f32 {
+        measured * 1000.0 + 1e6
+    }
 }
 
 fn last_outputs() -> &'static Mutex<HashMap<GenerationId, Activations>> {
@@ -182,22 +216,19 @@ fn set_output(trace: &mut HopTrace, y: &Activations) {
     }
 }
 
-/// Runs a hop, lying as configured on the configured fraction of hops. What it keeps for
-/// reveals is what it honestly computed (a liar's reveals then disagree with its commitments
-/// or with the checker's recomputation).
-pub fn run(
-    node: &Node,
+/// Runs a hop, lying as `f` says on its fraction of hops. What it keeps for reveals is what it
+/// honestly computed (a liar's reveals then disagree with its commitments or with the
+/// checker's recomputation).
+fn run(
+    f: Fault,
     model: &Model,
+    gemm: &Gemm,
     x: Activations,
     cache: &mut KvCache,
     trace: &mut HopTrace,
-    g: GenerationId,
-    step: u64,
+    hop: HopId,
 ) -> dc_model::Result<(Activations, KeptHop)> {
-    let gemm = &node.gemm;
-    let Some(f) = configured() else {
-        return model.run_layers_kept(gemm, x, cache, trace);
-    };
+    let (g, step) = (hop.generation, hop.step);
     let honest_hop = (f.kind == FaultKind::Prompt && x.rows() == 1)
         || (f.kind == FaultKind::Leave && x.rows() > 1);
     if honest_hop || coin(&g, step, 1) >= f.fraction as f64 {
@@ -212,6 +243,25 @@ pub fn run(
         "fault: lying ({:?}) on step {step} of generation {g}",
         f.kind
     );
+    let (y, kept) = lie(f, model, gemm, x, cache, trace, hop)?;
+    last_outputs()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(g, y.clone());
+    Ok((y, kept))
+}
+
+/// Computes hop `step` of `g` the way `f` lies.
+fn lie(
+    f: Fault,
+    model: &Model,
+    gemm: &Gemm,
+    x: Activations,
+    cache: &mut KvCache,
+    trace: &mut HopTrace,
+    hop: HopId,
+) -> dc_model::Result<(Activations, KeptHop)> {
+    let (g, step) = (hop.generation, hop.step);
     let kept;
     let layers = cache.layers();
     let y =
@@ -305,10 +355,6 @@ pub fn run(
                 }
             }
         };
-    last_outputs()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(g, y.clone());
     Ok((y, kept))
 }
 

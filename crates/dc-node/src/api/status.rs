@@ -6,11 +6,12 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use crate::node::Node;
-use crate::view::coverage;
+use crate::core::view::coverage;
+use crate::daemon::Daemon;
 
 /// The status document.
-pub fn status(node: &Node) -> Value {
+pub fn status(d: &Daemon) -> Value {
+    let node = &d.node;
     let serving = node.serving();
     let now = Instant::now();
     let view = node.view.lock().unwrap_or_else(|e| e.into_inner());
@@ -33,11 +34,7 @@ pub fn status(node: &Node) -> Value {
         .collect();
     drop(view);
     let n = node.model_cfg.num_layers as u32;
-    let (audits, excluded) = node
-        .audits
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .status();
+    let (audits, excluded) = d.checks.status();
     let cov = coverage(n, &node.participants());
     json!({
         "peer_id": node.local,
@@ -58,7 +55,7 @@ pub fn status(node: &Node) -> Value {
         "memory": {
             "budget": node.cfg.max_memory,
             "weights": node.weights_bytes(),
-            "kv_caches": node.caches.lock().unwrap_or_else(|e| e.into_inner()).bytes(),
+            "kv_caches": d.stage.cache_bytes(),
         },
         "generations": {
             "active": node.active_generations(),

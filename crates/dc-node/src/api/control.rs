@@ -5,7 +5,6 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -20,7 +19,9 @@ use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode, Wir
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::node::{start_generation, Node};
+use crate::core::Node;
+use crate::daemon::Daemon;
+use crate::head::start_generation;
 
 /// Largest request body.
 const MAX_BODY: usize = 1 << 20;
@@ -66,8 +67,8 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({"error": {"message": message.into()}}))).into_response()
 }
 
-async fn status(State(node): State<Arc<Node>>) -> Response {
-    Json(crate::status::status(&node)).into_response()
+async fn status(State(d): State<Daemon>) -> Response {
+    Json(super::status::status(&d)).into_response()
 }
 
 /// Validates a body into a generation request.
@@ -149,14 +150,15 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
 }
 
 async fn generate(
-    State(node): State<Arc<Node>>,
+    State(d): State<Daemon>,
     body: Result<Json<GenerateBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
+    let node = &d.node;
     let Json(body) = match body {
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
     };
-    let req = match to_request(&node, body) {
+    let req = match to_request(node, body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
@@ -178,7 +180,7 @@ async fn generate(
     node.stats.requests.fetch_add(1, Ordering::Relaxed);
     let generation = req.generation;
     let prompt_ids = req.prompt.clone();
-    let mut events = match start_generation(node.clone(), req).await {
+    let mut events = match start_generation(d.clone(), req).await {
         Ok(rx) => rx,
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e),
     };
@@ -255,7 +257,8 @@ where
     })
 }
 
-async fn require_token(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
+async fn require_token(State(d): State<Daemon>, req: Request, next: Next) -> Response {
+    let node = &d.node;
     if let Some(token) = &node.cfg.api_token {
         let ok = req
             .headers()
@@ -271,19 +274,20 @@ async fn require_token(State(node): State<Arc<Node>>, req: Request, next: Next) 
 }
 
 /// The router.
-pub fn router(node: Arc<Node>) -> Router {
+pub fn router(d: Daemon) -> Router {
     Router::new()
         .route("/status", get(status))
         .route("/generate", post(generate))
-        .route("/metrics", get(crate::metrics::handler))
-        .merge(crate::openai::router())
+        .route("/metrics", get(super::metrics::handler))
+        .merge(super::openai::router())
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .layer(middleware::from_fn_with_state(node.clone(), require_token))
-        .with_state(node)
+        .layer(middleware::from_fn_with_state(d.clone(), require_token))
+        .with_state(d)
 }
 
 /// Binds the control API and serves it in the background; returns the bound address.
-pub async fn serve(node: Arc<Node>) -> Result<SocketAddr, String> {
+pub async fn serve(d: Daemon) -> Result<SocketAddr, String> {
+    let node = &d.node;
     let addr = node.cfg.api;
     if !addr.ip().is_loopback() && node.cfg.api_token.is_none() {
         return Err(format!(
@@ -294,7 +298,7 @@ pub async fn serve(node: Arc<Node>) -> Result<SocketAddr, String> {
         .await
         .map_err(|e| format!("control API on {addr}: {e}"))?;
     let bound = listener.local_addr().map_err(|e| e.to_string())?;
-    let app = router(node);
+    let app = router(d.clone());
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!("control API stopped: {e}");

@@ -1,0 +1,10 @@
+//! The daemon's HTTP face, above every other room: the control API (`control.rs`: status,
+//! generate, the bearer token), the OpenAI-compatible API (`openai.rs`), the status document
+//! (`status.rs`) and the Prometheus metrics (`metrics.rs`).
+
+pub mod control;
+pub mod metrics;
+pub mod openai;
+pub mod status;
+
+pub use control::serve;

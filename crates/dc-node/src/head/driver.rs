@@ -1,0 +1,303 @@
+//! The head's driver for one generation, as a state machine:
+//!
+//! ```text
+//! route ──▶ laps (prefill) ──▶ sample ──▶ stream ──▶ lap ──▶ sample ──▶ … ──▶ end
+//!   ▲                                                                          │
+//!   └──────────── recompute without a proven liar or an unusable peer ◀────────┘
+//! ```
+//!
+//! Each attempt plans a route (`plan.rs`), runs the prompt and then one token per lap through
+//! it (`attempt.rs`, each hop checked by `hop.rs`), samples with the request's seeded sampler,
+//! and streams each new token to the client. At its end the attempt's spot checks and audits
+//! are awaited: a lie they prove still changes what the client gets. Tokens the client already
+//! holds are recomputed silently on a later attempt; if they come out differently, one
+//! `Corrected` event says so.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
+use dc_model::Activations;
+use dc_types::{GenerationEvent, GenerationRequest, VerifyMode};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::attempt::Attempt;
+use super::plan::{attempt_id, plan, sampling};
+use super::stop::{leave_out, Avoided, Stop};
+use crate::core::SpotRate;
+use crate::daemon::Daemon;
+
+/// Most events queued towards a slow client before the head waits for it.
+pub const EVENT_QUEUE: usize = 64;
+/// How long the end of a generation waits for its pending audits.
+const AUDIT_WAIT: Duration = Duration::from_secs(120);
+/// Recomputations after proven lies before giving up.
+const MAX_ATTEMPTS: usize = 4;
+
+/// Heads `req`: streams [`GenerationEvent`]s into `tx` until `Done` or `Failed`.
+pub async fn run_as_head(d: Daemon, req: GenerationRequest, tx: mpsc::Sender<GenerationEvent>) {
+    d.node.stats.active_heads.fetch_add(1, Ordering::Relaxed);
+    let result = drive(&d, &req, &tx).await;
+    d.node.stats.active_heads.fetch_sub(1, Ordering::Relaxed);
+    let ev = match result {
+        Ok(ev) => ev,
+        Err(message) => {
+            warn!("generation {} failed: {message}", req.generation);
+            GenerationEvent::Failed { message }
+        }
+    };
+    let _ = tx.send(ev).await;
+}
+
+/// The generation, attempt after attempt, until one ends it.
+async fn drive(
+    d: &Daemon,
+    req: &GenerationRequest,
+    tx: &mpsc::Sender<GenerationEvent>,
+) -> Result<GenerationEvent, String> {
+    // What the client holds: a later attempt recomputes it silently.
+    let mut delivered: Vec<u32> = Vec::new();
+    // Peers whose answers this generation could not use, and why: later attempts go without
+    // them. Not an exclusion (nothing is proven, and other generations still use them).
+    let mut avoid: Avoided = Vec::new();
+    for n in 0..MAX_ATTEMPTS {
+        // Route.
+        let mut at = start_attempt(d, req, n, std::mem::take(&mut avoid), tx).await?;
+        // Laps, sampling and streaming.
+        let outcome = run_attempt(d, req, &mut at, tx, &mut delivered).await;
+        // End: the attempt's checks, then its caches freed everywhere.
+        let liar = end_attempt(d, &mut at, &outcome).await;
+        avoid = std::mem::take(&mut at.avoid);
+        match (outcome, liar) {
+            (_, Some(l)) => {
+                warn!(
+                    "generation {}: {l} was proven to lie; recomputing without it",
+                    req.generation
+                );
+            }
+            (
+                Err(Stop::Unusable {
+                    peer,
+                    why,
+                    remember,
+                }),
+                None,
+            ) => {
+                warn!(
+                    "generation {}: recomputing without {peer}: {why}",
+                    req.generation
+                );
+                d.node.stats.reroutes.fetch_add(1, Ordering::Relaxed);
+                leave_out(&d.node, &mut avoid, &peer, why, remember);
+            }
+            (Ok(ev), None) => return Ok(ev),
+            (Err(Stop::Failed(m)), None) | (Err(Stop::Liar(m)), None) => return Err(m),
+        }
+    }
+    let why: String = avoid.iter().map(|(_, why)| format!("; {why}")).collect();
+    Err(format!(
+        "gave up after {MAX_ATTEMPTS} attempts: too many peers lied or failed{why}"
+    ))
+}
+
+/// Plans attempt `n` without the `avoid`ed peers and tells the client its route.
+async fn start_attempt(
+    d: &Daemon,
+    req: &GenerationRequest,
+    n: usize,
+    avoid: Avoided,
+    tx: &mpsc::Sender<GenerationEvent>,
+) -> Result<Attempt, String> {
+    let g = attempt_id(&req.generation, n);
+    let (route, shadows) = plan(d, req, &g, &avoid)?;
+    info!(
+        "heading generation {g}: route {}",
+        route
+            .iter()
+            .map(|h| format!("{}@{}", h.layers, &h.peer[h.peer.len().saturating_sub(6)..]))
+            .collect::<Vec<_>>()
+            .join(" → ")
+    );
+    let _ = tx
+        .send(GenerationEvent::Started {
+            head: d.node.local.clone(),
+            route: route.clone(),
+        })
+        .await;
+    let (rate, spot_rate) = match req.verify {
+        VerifyMode::Sampled(r) => (r.clamp(0.0, 1.0), d.node.cfg.spot_check_rate),
+        VerifyMode::All => (0.0, SpotRate::Fixed(0.0)),
+    };
+    Ok(Attempt::new(
+        d,
+        g,
+        route,
+        shadows,
+        (rate, spot_rate),
+        avoid,
+        tx.clone(),
+    ))
+}
+
+/// Ends an attempt: starts its last spot checks, waits for every check (a lie they prove
+/// still changes what the client gets), frees its caches at every stage and auditor, and
+/// returns the peer proven to lie, if any.
+async fn end_attempt(
+    d: &Daemon,
+    at: &mut Attempt,
+    outcome: &Result<GenerationEvent, Stop>,
+) -> Option<String> {
+    // The last hops' spot checks, fewer than a batch.
+    for i in 0..at.route.len() {
+        at.check_pending(d, i);
+    }
+    let pending = std::mem::take(&mut at.audits);
+    let proven = tokio::time::timeout(AUDIT_WAIT, futures::future::join_all(pending)).await;
+    at.end(d).await;
+    match (outcome, proven) {
+        (Err(Stop::Liar(l)), _) => Some(l.clone()),
+        (_, Ok(results)) if results.iter().any(|r| matches!(r, Ok(true))) => {
+            at.proven_liar(&d.node)
+        }
+        _ => None,
+    }
+}
+
+/// One pass over the generation: the prompt's laps, then sample → stream → lap until the
+/// sampler stops. Tokens already `delivered` by an earlier attempt are recomputed silently;
+/// if the new ones differ, one `Corrected` event carries them.
+async fn run_attempt(
+    d: &Daemon,
+    req: &GenerationRequest,
+    at: &mut Attempt,
+    tx: &mpsc::Sender<GenerationEvent>,
+    delivered: &mut Vec<u32>,
+) -> Result<GenerationEvent, Stop> {
+    let greq = GenerateRequest {
+        prompt: req.prompt.clone(),
+        max_new_tokens: req.max_new_tokens as usize,
+        sampling: sampling(req),
+        stop_tokens: req.stop_tokens.clone(),
+        chunk: req.chunk.max(1) as usize,
+    };
+    let mut tl =
+        TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;
+    let replay = delivered.len();
+    let (mut step, mut pos) = (0u64, 0usize);
+    let mut logits = Vec::new();
+    for chunk in greq.prompt.chunks(greq.chunk) {
+        logits = lap(d, at, step, chunk.to_vec(), pos).await?;
+        step += 1;
+        pos += chunk.len();
+    }
+    let why = loop {
+        // Sample.
+        let (t, done) = match tl.next(&logits).map_err(|e| e.to_string())? {
+            Next::Feed(t) => (Some(t), None),
+            Next::Last(t, why) => (Some(t), Some(why)),
+            Next::Done(why) => (None, Some(why)),
+        };
+        // Stream what the client does not hold yet.
+        let produced = tl.tokens.len();
+        if let (Some(t), true) = (t, produced > replay) {
+            d.node.stats.tokens.fetch_add(1, Ordering::Relaxed);
+            delivered.push(t);
+            let ev = GenerationEvent::Token {
+                index: produced as u32 - 1,
+                id: t,
+            };
+            if tx.send(ev).await.is_err() {
+                return Err(Stop::Failed("the client went away".into()));
+            }
+        }
+        // The recomputation has caught up with what the client holds: say what changed.
+        if produced == replay || (done.is_some() && produced < replay) {
+            correct(d, tx, delivered, &tl.tokens).await?;
+        }
+        if let Some(why) = done {
+            break why;
+        }
+        // Lap.
+        let t = tl.tokens[tl.tokens.len() - 1];
+        logits = lap(d, at, step, vec![t], pos).await?;
+        step += 1;
+        pos += 1;
+    };
+    let stop = serde_json::to_value(why)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    Ok(GenerationEvent::Done {
+        tokens: tl.tokens.clone(),
+        stop,
+        final_logits: logits_commitment(pos.saturating_sub(1), &logits),
+    })
+}
+
+/// Embeds `tokens` at `pos`, runs them through the route as hop `step`, and reads out the
+/// last row's logits.
+async fn lap(
+    d: &Daemon,
+    at: &mut Attempt,
+    step: u64,
+    tokens: Vec<u32>,
+    pos: usize,
+) -> Result<Vec<f32>, Stop> {
+    let x = embed(d, tokens, pos).await?;
+    let y = at.lap(d, step, x).await?;
+    Ok(readout(d, y).await?)
+}
+
+/// Embeds `tokens` at `start` (head weights, compute pool).
+async fn embed(d: &Daemon, tokens: Vec<u32>, start: usize) -> Result<Activations, String> {
+    let serving = d.node.serving().ok_or("not serving yet")?;
+    tokio::task::spawn_blocking(move || {
+        serving
+            .model
+            .embed(&tokens, start)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Logits of the last row.
+async fn readout(d: &Daemon, x: Activations) -> Result<Vec<f32>, String> {
+    let serving = d.node.serving().ok_or("not serving yet")?;
+    let gemm = d.node.gemm.clone();
+    tokio::task::spawn_blocking(move || {
+        serving
+            .model
+            .readout(&gemm, &x.last_row())
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Compares the recomputed tokens with what the client holds and sends the correction.
+async fn correct(
+    d: &Daemon,
+    tx: &mpsc::Sender<GenerationEvent>,
+    delivered: &mut Vec<u32>,
+    new: &[u32],
+) -> Result<(), Stop> {
+    let first = delivered
+        .iter()
+        .zip(new)
+        .position(|(a, b)| a != b)
+        .or((delivered.len() != new.len()).then_some(delivered.len().min(new.len())));
+    let Some(from) = first else { return Ok(()) };
+    let liar = d.checks.last_excluded().unwrap_or_default();
+    d.node.stats.corrections.fetch_add(1, Ordering::Relaxed);
+    let ev = GenerationEvent::Corrected {
+        from: from as u32,
+        tokens: new[from..].to_vec(),
+        liar,
+    };
+    *delivered = new.to_vec();
+    tx.send(ev)
+        .await
+        .map_err(|_| Stop::Failed("the client went away".into()))
+}

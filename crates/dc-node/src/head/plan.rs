@@ -1,0 +1,95 @@
+//! Planning an attempt: its generation id (fresh caches at every stage after a
+//! recomputation), its route among the healthy peers (leaving out those this generation could
+//! not use, and preferring those that did not fail recently), the second peers of
+//! `--verify all`, and the request's sampling settings.
+
+use dc_model::sampling::SamplingParams;
+use dc_types::{GenerationId, GenerationRequest, RouteHop, VerifyMode};
+
+use super::attempt::Shadows;
+use super::stop::avoided;
+use crate::check::audit::pick_peer;
+use crate::core::view::plan_route;
+use crate::daemon::Daemon;
+
+/// The sampler's settings for `req`.
+pub(super) fn sampling(req: &GenerationRequest) -> SamplingParams {
+    SamplingParams {
+        temperature: req.sampling.temperature,
+        top_k: (req.sampling.top_k > 0).then_some(req.sampling.top_k as usize),
+        top_p: (req.sampling.top_p < 1.0).then_some(req.sampling.top_p),
+        seed: req.sampling.seed,
+    }
+}
+
+/// The generation id of attempt `n` (fresh caches at every stage after a recomputation).
+pub(super) fn attempt_id(g: &GenerationId, n: usize) -> GenerationId {
+    if n == 0 {
+        return *g;
+    }
+    let h = blake3::hash(&[&g.0[..], b"attempt", &(n as u64).to_le_bytes()].concat());
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.as_bytes()[..16]);
+    GenerationId(out)
+}
+
+/// Plans attempt `g`'s route (and `--verify all`'s second peers) among the participants, leaving
+/// out the peers in `avoid` (whose answers this generation could not use).
+pub(super) fn plan(
+    d: &Daemon,
+    req: &GenerationRequest,
+    g: &GenerationId,
+    avoid: &[(String, String)],
+) -> Result<(Vec<RouteHop>, Option<Shadows>), String> {
+    if req.model_id != d.node.model_id {
+        return Err(format!(
+            "this daemon serves model {}, not {}",
+            d.node.model_id, req.model_id
+        ));
+    }
+    let serving = d.node.serving().ok_or("this daemon is still loading")?;
+    if !serving.head {
+        return Err("this daemon does not hold the head weights".into());
+    }
+    let mut participants = d.node.participants();
+    participants.retain(|p| !avoided(avoid, &p.peer));
+    let left_out = || {
+        avoid
+            .iter()
+            .map(|(_, why)| format!("; left out: {why}"))
+            .collect::<String>()
+    };
+    // Peers whose hops recently could not be used are a last resort.
+    let recent = d.node.recently_unusable();
+    let mut preferred = participants.clone();
+    preferred.retain(|p| !recent.contains(&p.peer));
+    let layers = d.node.model_cfg.num_layers as u32;
+    let route = plan_route(g, layers, &d.node.local, &preferred)
+        .or_else(|_| plan_route(g, layers, &d.node.local, &participants))
+        .map_err(|e| e + &left_out())?;
+    let shadows = match req.verify {
+        VerifyMode::All => Some(
+            route
+                .iter()
+                .map(|h| {
+                    if h.peer == d.node.local {
+                        // The head trusts its own arithmetic.
+                        return Ok(None);
+                    }
+                    pick_peer(&participants, &recent, h.layers, &h.peer, &g.0)
+                        .map(Some)
+                        .ok_or_else(|| {
+                            format!(
+                                "--verify all needs a second peer serving layers {} (only {} does){}",
+                                h.layers,
+                                h.peer,
+                                left_out()
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        VerifyMode::Sampled(_) => None,
+    };
+    Ok((route, shadows))
+}

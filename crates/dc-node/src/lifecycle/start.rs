@@ -1,0 +1,237 @@
+//! Start-up and exit: the self-test, the model's id, the identity, the network, the rooms
+//! (node, stage, checks), the control API, the layers chosen and loaded, the tasks that run
+//! while the daemon serves, and the graceful exit on SIGINT/SIGTERM (announce leaving, finish
+//! what is served, announce again).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dc_kernels::{Gemm, Kernel};
+use dc_model::tokenizer::{load_for_model, SpecialTokens};
+use dc_net::NetConfig;
+use dc_types::{LayerRange, ModelId, PeerState, PROTOCOL_VERSION};
+use tokio::sync::watch;
+
+use super::events::{spawn_event_handler, spawn_generation_streams};
+use super::gossip::announce;
+use super::shards::{choose_auto, load, measure_throughput, periodic};
+use crate::core::memory::{head_bytes, layer_bytes};
+use crate::core::{LayerChoice, Node, NodeConfig, NodeParts, MAX_ANNOUNCEMENT};
+use crate::daemon::Daemon;
+use crate::stage::HopRunner;
+
+/// Starts the daemon and runs it until SIGINT or SIGTERM.
+pub async fn run(cfg: NodeConfig) -> Result<(), String> {
+    if cfg.selftest {
+        selftest()?;
+        println!("self-test passed ({} kernels)", Kernel::supported().len());
+    }
+    let (node, events) = start_node(cfg)?;
+    let d = Daemon::new(node.clone(), runner());
+    println!("peer id {}", node.local);
+    println!(
+        "model {} (model id {})",
+        node.cfg.model.display(),
+        node.model_id
+    );
+    spawn_event_handler(&d, events);
+    spawn_generation_streams(&d)?;
+    let api = crate::api::serve(d.clone()).await?;
+    *node.api_addr.lock().unwrap_or_else(|e| e.into_inner()) = Some(api);
+    println!("control API on http://{api}");
+
+    serve_layers(&d).await?;
+    sd_notify("READY=1");
+    if node.cfg.idle_only {
+        crate::idle::spawn(node.clone());
+    }
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(periodic(d.clone(), stop_rx));
+
+    wait_for_signal().await;
+    leave(&d).await;
+    let _ = stop_tx.send(true);
+    println!("left");
+    Ok(())
+}
+
+/// How this daemon computes its hops: honestly, unless a test build was told to lie.
+fn runner() -> Arc<dyn HopRunner> {
+    #[cfg(feature = "fault-injection")]
+    if let Some(lying) = crate::stage::fault::chosen() {
+        return Arc::new(lying);
+    }
+    Arc::new(crate::stage::Honest)
+}
+
+/// The node: the model's shape and id, the identity, the tokenizer, and the network started.
+fn start_node(
+    cfg: NodeConfig,
+) -> Result<(Arc<Node>, tokio::sync::mpsc::Receiver<dc_net::NetEvent>), String> {
+    let (model_cfg, _) = dc_model::model::open_source(&cfg.model).map_err(|e| e.to_string())?;
+    let model_id = ModelId(
+        dc_model::identity::cached_model_id(&cfg.model, &cfg.data_dir)
+            .map_err(|e| e.to_string())?,
+    );
+    let keypair = dc_net::identity::load_or_create(&cfg.data_dir.join("identity.key"))?;
+    let (tokenizer, chat, special) = match load_for_model(&cfg.model) {
+        Ok((t, c, s)) => (Some(t), c, s),
+        Err(_) => (
+            None,
+            None,
+            SpecialTokens {
+                bos: model_cfg.bos_token_id,
+                eos: model_cfg.eos_token_ids.clone(),
+                ..SpecialTokens::default()
+            },
+        ),
+    };
+    let net = NetConfig {
+        keypair: keypair.clone(),
+        listen: cfg.listen.clone(),
+        bootstrap: cfg.bootstrap.clone(),
+        mdns: cfg.mdns,
+        topic: format!(
+            "daisychain/announce/{PROTOCOL_VERSION}/{}",
+            model_id.short()
+        ),
+        max_request_bytes: cfg.max_message_bytes,
+        max_response_bytes: cfg.max_message_bytes,
+        max_gossip_bytes: MAX_ANNOUNCEMENT,
+        request_timeout: cfg.request_timeout,
+        agent: format!("dcd/{}", env!("CARGO_PKG_VERSION")),
+    };
+    let (client, events, event_loop) = dc_net::start(net)?;
+    tokio::spawn(event_loop.run());
+    let gemm = Gemm::new(cfg.kernel, cfg.threads).map_err(|e| e.to_string())?;
+    let node = Node::new(NodeParts {
+        cfg,
+        model_cfg,
+        model_id,
+        client,
+        keypair,
+        gemm,
+        tokenizer,
+        chat,
+        special,
+    });
+    Ok((Arc::new(node), events))
+}
+
+/// Chooses our layers, loads them (with the head weights if they fit), measures them and
+/// announces that we serve.
+async fn serve_layers(d: &Daemon) -> Result<(), String> {
+    let node = &d.node;
+    let layers = match node.cfg.layers {
+        LayerChoice::Fixed(r) => {
+            if r.end as usize > node.model_cfg.num_layers {
+                return Err(format!(
+                    "--layers {r}: the model has {} layers",
+                    node.model_cfg.num_layers
+                ));
+            }
+            r
+        }
+        LayerChoice::Auto => {
+            tokio::time::sleep(node.cfg.discovery_wait).await;
+            choose_auto(node)?
+        }
+    };
+    let fits_head = node.cfg.head && head_fits(node, layers);
+    if node.cfg.head && !fits_head {
+        println!("the head weights do not fit the memory budget: serving without them");
+    }
+    node.set_serving(load(node, layers, fits_head).await?);
+    node.set_throughput(measure_throughput(node).await);
+    node.set_state(PeerState::Serving);
+    println!(
+        "serving layers {layers} of {}{}",
+        node.model_cfg.num_layers,
+        if fits_head {
+            " with the head weights"
+        } else {
+            ""
+        }
+    );
+    announce(d).await;
+    Ok(())
+}
+
+/// Whether the head weights fit the memory budget next to `layers`.
+fn head_fits(node: &Node, layers: LayerRange) -> bool {
+    let cfg = &node.model_cfg;
+    node.cfg
+        .max_memory
+        .is_none_or(|m| head_bytes(cfg) + layers.len() as u64 * layer_bytes(cfg) <= m)
+}
+
+/// Leaves gracefully: announces it, finishes what we serve (15 s at most), announces again.
+async fn leave(d: &Daemon) {
+    let node = &d.node;
+    println!("leaving: finishing what we serve");
+    sd_notify("STOPPING=1");
+    node.set_state(PeerState::Leaving);
+    announce(d).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline && node.active_generations() > 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    announce(d).await;
+    // Give the gossip a moment to leave the machine.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// Runs the numeric self-test (golden vectors, every kernel against the reference).
+fn selftest() -> Result<(), String> {
+    let kernels = Kernel::supported();
+    let gold = dc_kernels::golden::run(&kernels);
+    let conf = dc_kernels::conformance::sweep(&kernels, &[1, 2], 0xDA15_7C4A_1100_0001);
+    if !gold.failures.is_empty() || !conf.failures.is_empty() {
+        return Err(format!(
+            "self-test failed: {}",
+            gold.failures
+                .iter()
+                .chain(&conf.failures)
+                .take(3)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("; ")
+        ));
+    }
+    Ok(())
+}
+
+/// Tells systemd about our state when run as a `Type=notify` service (no-op otherwise).
+fn sd_notify(state: &str) {
+    #[cfg(unix)]
+    if let Some(path) = std::env::var_os("NOTIFY_SOCKET") {
+        let sock = match std::os::unix::net::UnixDatagram::unbound() {
+            Ok(s) => s,
+            Err(_) => return,
+        };
+        let path = std::path::PathBuf::from(path);
+        let _ = sock.send_to(state.as_bytes(), &path);
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,267 @@
+//! The KV caches this daemon keeps for the generations it serves as a stage (and for the audit
+//! sessions it replays for other heads): one per generation, owned by the peer that started
+//! it, bounded in number, dropped when idle, with the last hops kept for reveals.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dc_model::{CacheLog, KeptHop, KvCache};
+use dc_types::{Commitment, GenerationId, HopErrorKind, HopRecord, LayerRange, MAX_REVEAL_HOPS};
+
+/// Hops kept per generation for reveals: a head asks about up to [`MAX_REVEAL_HOPS`] of a
+/// stage's hops at once, right after the last of them, so one more suffices even when the next
+/// hop has already arrived.
+pub const KEPT_HOPS: usize = MAX_REVEAL_HOPS + 1;
+
+/// Bytes of kept hops this daemon holds at most, over all generations; a hop that does not fit
+/// is not kept (a reveal of it is refused, which a head only holds against a one-row hop).
+pub const KEPT_BYTES: usize = 256 << 20;
+
+/// One generation's cache in this daemon.
+#[derive(Debug)]
+struct Entry {
+    /// The peer that started it (its head, or the head whose audit session it is): no other
+    /// peer may run, restart, end or read it.
+    owner: String,
+    /// `None` while a hop is using it.
+    cache: Option<KvCache>,
+    layers: LayerRange,
+    last_used: Instant,
+    /// The last hops, by step, kept to reveal rows of them.
+    kept: VecDeque<(u64, Arc<KeptHop>)>,
+    /// The cache rows of the generation, for reveals (only when hops are kept).
+    log: CacheLog,
+    /// The chain of the inputs that built the cache ([`HopRecord::chain`]), which the next
+    /// hop's record names.
+    chain: Commitment,
+}
+
+/// The KV caches this daemon holds, one per generation, bounded in number and dropped when
+/// idle. Each belongs to the peer that started it: a generation id is known to every stage of
+/// its route, and without an owner any of them could end another head's generation, start it
+/// over (the stage would sign a second run under the id) or read its kept hops.
+#[derive(Debug, Default)]
+pub struct StageCaches {
+    entries: HashMap<GenerationId, Entry>,
+}
+
+impl StageCaches {
+    /// Generations with a cache here.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no cache is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes held by caches not in use.
+    pub fn bytes(&self) -> usize {
+        self.entries
+            .values()
+            .filter_map(|e| e.cache.as_ref().map(|c| c.bytes() + e.log.bytes()))
+            .sum()
+    }
+
+    /// Drops the cache of a finished generation, if `owner` started it.
+    pub fn end(&mut self, g: &GenerationId, owner: &str) -> bool {
+        self.owned(g, owner).is_some() && self.entries.remove(g).is_some()
+    }
+
+    /// The entry of `g` if `owner` started it.
+    fn owned(&self, g: &GenerationId, owner: &str) -> Option<&Entry> {
+        self.entries.get(g).filter(|e| e.owner == owner)
+    }
+
+    /// Drops caches idle for longer than `idle`; returns how many.
+    pub fn expire(&mut self, now: Instant, idle: Duration) -> usize {
+        let before = self.entries.len();
+        self.entries
+            .retain(|_, e| e.cache.is_none() || now.duration_since(e.last_used) <= idle);
+        before - self.entries.len()
+    }
+
+    /// Takes the cache of `g` for `owner`'s hop at position `start` over `layers`, creating it
+    /// for a new generation (start 0). At most `max` generations are held.
+    pub(super) fn take(
+        &mut self,
+        g: GenerationId,
+        owner: &str,
+        layers: LayerRange,
+        start: usize,
+        cfg: &dc_model::ModelConfig,
+        max: usize,
+    ) -> Result<KvCache, (HopErrorKind, String)> {
+        if self.entries.get(&g).is_some_and(|e| e.owner != owner) {
+            return Err((
+                HopErrorKind::BadActivations,
+                format!("generation {g} was started here by another peer"),
+            ));
+        }
+        if start == 0 {
+            if self.entries.get(&g).is_some_and(|e| e.cache.is_none()) {
+                return Err((
+                    HopErrorKind::BadActivations,
+                    format!("generation {g} is already running a hop here"),
+                ));
+            }
+            self.entries.remove(&g);
+            if self.entries.len() >= max {
+                return Err((
+                    HopErrorKind::Overloaded,
+                    format!("already serving {max} generations"),
+                ));
+            }
+            self.entries.insert(
+                g,
+                Entry {
+                    owner: owner.to_string(),
+                    cache: None,
+                    layers,
+                    last_used: Instant::now(),
+                    kept: VecDeque::new(),
+                    log: CacheLog::default(),
+                    chain: HopRecord::FIRST,
+                },
+            );
+            return Ok(KvCache::new(cfg, layers.as_range()));
+        }
+        let e = self.entries.get_mut(&g).ok_or((
+            HopErrorKind::BadActivations,
+            format!("no cache for generation {g} (it expired or never started here)"),
+        ))?;
+        if e.layers != layers {
+            return Err((
+                HopErrorKind::WrongLayers,
+                format!("generation {g} runs layers {} here, not {layers}", e.layers),
+            ));
+        }
+        let cache = e.cache.take().ok_or((
+            HopErrorKind::BadActivations,
+            format!("generation {g} is already running a hop here"),
+        ))?;
+        if cache.len() != start {
+            let held = cache.len();
+            e.cache = Some(cache);
+            return Err((
+                HopErrorKind::BadActivations,
+                format!("activations start at position {start} but the cache holds {held}"),
+            ));
+        }
+        Ok(cache)
+    }
+
+    /// Keeps hop `step` of `g` for reveals, dropping its older hops beyond [`KEPT_HOPS`]; not
+    /// kept when it would take the daemon past [`KEPT_BYTES`]. The cache rows the hop added
+    /// are logged either way (they are revealed for later hops too).
+    pub(super) fn keep(&mut self, g: &GenerationId, step: u64, hop: KeptHop, cache: &KvCache) {
+        if let Some(e) = self.entries.get_mut(g) {
+            e.log.record(cache);
+            while e.kept.len() >= KEPT_HOPS {
+                e.kept.pop_front();
+            }
+        }
+        let held: usize = self
+            .entries
+            .values()
+            .flat_map(|e| e.kept.iter().map(|(_, k)| k.bytes()))
+            .sum();
+        if let Some(e) = self.entries.get_mut(g) {
+            if held + hop.bytes() <= KEPT_BYTES {
+                e.kept.push_back((step, Arc::new(hop)));
+            }
+        }
+    }
+
+    /// The layers `g` runs here and its logged cache rows (shared, not copied), for its owner.
+    pub(super) fn log(&self, g: &GenerationId, owner: &str) -> Option<(LayerRange, CacheLog)> {
+        let e = self.owned(g, owner)?;
+        Some((e.layers, e.log.clone()))
+    }
+
+    /// A kept hop, with the generation's cache rows (shared, not copied), for its owner.
+    pub(super) fn kept(
+        &self,
+        g: &GenerationId,
+        step: u64,
+        owner: &str,
+    ) -> Option<(Arc<KeptHop>, CacheLog)> {
+        let e = self.owned(g, owner)?;
+        let hop = e
+            .kept
+            .iter()
+            .find(|(s, _)| *s == step)
+            .map(|(_, k)| k.clone())?;
+        Some((hop, e.log.clone()))
+    }
+
+    /// The chain of the inputs that built `g`'s cache ([`HopRecord::FIRST`] for none).
+    pub(super) fn chain(&self, g: &GenerationId) -> Commitment {
+        self.entries.get(g).map_or(HopRecord::FIRST, |e| e.chain)
+    }
+
+    /// Returns `g`'s cache after a hop that succeeded, with the chain of the inputs that built
+    /// it now.
+    pub(super) fn put_after(&mut self, g: GenerationId, cache: KvCache, chain: Commitment) {
+        self.put(g, Some(cache));
+        if let Some(e) = self.entries.get_mut(&g) {
+            e.chain = chain;
+        }
+    }
+
+    /// Returns a cache after a hop (successful or not: a failed hop leaves it unchanged only if
+    /// the model refused before touching it, so failures drop it).
+    pub(super) fn put(&mut self, g: GenerationId, cache: Option<KvCache>) {
+        match (self.entries.get_mut(&g), cache) {
+            (Some(e), Some(c)) => {
+                e.cache = Some(c);
+                e.last_used = Instant::now();
+            }
+            _ => {
+                self.entries.remove(&g);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use super::*;
+
+    fn config() -> dc_model::ModelConfig {
+        let fixture =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/llama");
+        dc_model::model::open_source(&fixture).unwrap().0
+    }
+
+    #[test]
+    fn a_generation_is_its_heads_alone_and_restarting_it_starts_its_chain_over() {
+        let cfg = config();
+        let (g, layers) = (GenerationId([7; 16]), LayerRange::new(0, 2).unwrap());
+        let mut caches = StageCaches::default();
+        let cache = caches.take(g, "head", layers, 0, &cfg, 4).unwrap();
+        assert_eq!(caches.chain(&g), HopRecord::FIRST);
+        let link = Commitment([1; 32]);
+        caches.put_after(g, cache, link);
+        assert_eq!(caches.chain(&g), link);
+        // Another peer that learnt the id (a stage of the same route) can neither continue the
+        // generation, nor start it over, nor end it, nor read it.
+        for start in [0, 5] {
+            let (_, why) = caches.take(g, "other", layers, start, &cfg, 4).unwrap_err();
+            assert!(why.contains("another peer"), "{why}");
+        }
+        assert!(!caches.end(&g, "other"));
+        assert!(caches.log(&g, "other").is_none() && caches.kept(&g, 0, "other").is_none());
+        assert!(caches.log(&g, "head").is_some());
+        assert_eq!(caches.chain(&g), link);
+        // Its head may start it over: a new run, a new chain.
+        let cache = caches.take(g, "head", layers, 0, &cfg, 4).unwrap();
+        assert_eq!(caches.chain(&g), HopRecord::FIRST);
+        caches.put(g, Some(cache));
+        assert!(caches.end(&g, "head") && caches.is_empty());
+    }
+}

@@ -1,0 +1,23 @@
+//! The stage: the layers this daemon serves for every head that routes through it. It runs
+//! hops on its KV caches and signs a record of each (`hop.rs`), keeps the last hops and the
+//! cache rows so a head can check them (`reveal.rs`), and replays other stages' hops when a
+//! head audits them (`replay.rs`). Its state is one [`Stage`] (`server.rs`); how a hop is
+//! computed is its [`HopRunner`] (`runner.rs`), honest unless a test build was told to lie
+//! (`fault.rs`).
+//!
+//! The stage never checks anyone: it answers. What it signs is all a head or a referee needs to
+//! hold it to its word.
+
+mod caches;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
+mod hop;
+mod replay;
+mod reveal;
+mod runner;
+mod server;
+
+pub use caches::{StageCaches, KEPT_BYTES, KEPT_HOPS};
+pub use hop::MAX_HOP_ROWS;
+pub use runner::{Honest, HopRunner};
+pub use server::Stage;
