@@ -455,6 +455,7 @@ fn forwarded(model_id: ModelId, max_new_tokens: u32) -> GenerationRequest {
         stop_tokens: vec![],
         chunk: 64,
         verify: VerifyMode::Sampled(0.0),
+        resume: vec![],
     }
 }
 

@@ -32,7 +32,10 @@ pub use wire::{decode, encode, WireError};
 ///    commitments and hop records are protocol 7's.
 /// 9: a hop record chains the generation's inputs at the stage (`HopRecord::previous`), so a
 ///    proof's records must be one run's; records are signed as `"hop record, protocol 9"`.
-pub const PROTOCOL_VERSION: u32 = 9;
+/// 10: a generation request carries the tokens the client already holds (`resume`), so the
+///    next head in the rendezvous order can take a generation over when its head dies; hop
+///    records and commitments are protocol 9's.
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an

@@ -465,6 +465,10 @@ pub struct GenerationRequest {
     pub chunk: u32,
     /// How much is verified.
     pub verify: VerifyMode,
+    /// The new tokens the client already holds (empty for a new generation): the next head
+    /// takes a generation over from here when its head dies. The head re-derives them before
+    /// it streams anything new, and corrects the client if they are not what it computes.
+    pub resume: Vec<u32>,
 }
 
 /// One stage of a route: a peer (libp2p id, base58) and the layers it runs.

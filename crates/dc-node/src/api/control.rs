@@ -146,6 +146,7 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
             .unwrap_or(node.cfg.chunk as u32)
             .clamp(1, crate::stage::MAX_HOP_ROWS as u32),
         verify,
+        resume: Vec::new(),
     })
 }
 

@@ -788,6 +788,7 @@ fn request(
         },
         chunk: (node.cfg.chunk as u32).clamp(1, crate::stage::MAX_HOP_ROWS as u32),
         verify: dc_types::VerifyMode::Sampled(node.cfg.audit_rate),
+        resume: Vec::new(),
     })
 }
 

@@ -72,6 +72,7 @@ pub fn status(d: &Daemon) -> Value {
         "corrections": node.stats.corrections.load(Ordering::Relaxed),
         "reroutes": node.stats.reroutes.load(Ordering::Relaxed),
         "stages_replaced": node.stats.stages_replaced.load(Ordering::Relaxed),
+        "head_failovers": node.stats.head_failovers.load(Ordering::Relaxed),
         "peers": peers,
     })
 }

@@ -62,6 +62,9 @@ pub struct Stats {
     pub stages_replaced: AtomicU64,
     /// Positions replayed to audit other stages.
     pub audit_positions: AtomicU64,
+    /// Generations this daemon asked for that moved to another head after theirs stopped
+    /// answering.
+    pub head_failovers: AtomicU64,
     /// Generations (and audit sessions) with a stage cache here, kept by the stage.
     pub stage_generations: AtomicU32,
 }
@@ -121,6 +124,15 @@ pub const UNUSABLE_FOR: Duration = Duration::from_secs(600);
 /// Most such peers remembered (the oldest is forgotten first).
 const MAX_UNUSABLE: usize = 256;
 
+/// The sequence number of a node's first announcement: the wall clock in microseconds, so that
+/// a daemon restarted with the same identity announces above what peers kept of its last run
+/// (they ignore announcements older than the newest they have).
+fn first_seq() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_micros() as u64)
+}
+
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Node({})", self.local)
@@ -177,7 +189,7 @@ impl Node {
             generations: Arc::new(Semaphore::new(cfg.max_generations.max(1))),
             headed: Arc::new(Semaphore::new(cfg.max_generations.max(1))),
             stats: Stats::default(),
-            seq: AtomicU64::new(1),
+            seq: AtomicU64::new(first_seq()),
             logged: Mutex::new(HashSet::new()),
             tokenizer,
             chat,

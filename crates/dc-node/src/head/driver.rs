@@ -12,7 +12,16 @@
 //! are awaited: a lie they prove still changes what the client gets. Tokens the client already
 //! holds are recomputed silently on a later attempt; if they come out differently, one
 //! `Corrected` event says so.
+//!
+//! A generation taken over from a head that died arrives with the tokens the client holds
+//! (`GenerationRequest::resume`). They are fed with the prompt as prefill, in chunks, and the
+//! logits of every row from the prompt's last on re-derive each of them with the same seeded
+//! sampler before anything new is streamed: prefill in any chunking gives the bits that one
+//! token per lap gives, so the taken-over generation goes on exactly as the undisturbed one
+//! would, at prefill speed. A token that does not re-derive sends the generation back to one
+//! token per lap, and the client is corrected.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -56,8 +65,11 @@ async fn drive(
     req: &GenerationRequest,
     tx: &mpsc::Sender<GenerationEvent>,
 ) -> Result<GenerationEvent, String> {
-    // What the client holds: a later attempt recomputes it silently.
-    let mut delivered: Vec<u32> = Vec::new();
+    check_resume(d, req)?;
+    // What the client holds: a later attempt recomputes it silently, a taken-over generation's
+    // first attempt re-derives it from prefill.
+    let mut delivered: Vec<u32> = req.resume.clone();
+    let mut fast_forward = !delivered.is_empty();
     // Peers whose answers this generation could not use, and why: later attempts go without
     // them. Not an exclusion (nothing is proven, and other generations still use them).
     let mut avoid: Avoided = Vec::new();
@@ -65,7 +77,8 @@ async fn drive(
         // Route.
         let mut at = start_attempt(d, req, n, std::mem::take(&mut avoid), tx).await?;
         // Laps, sampling and streaming.
-        let outcome = run_attempt(d, req, &mut at, tx, &mut delivered).await;
+        let outcome = run_attempt(d, req, &mut at, tx, &mut delivered, fast_forward).await;
+        fast_forward = false;
         // End: the attempt's checks, then its caches freed everywhere.
         let liar = end_attempt(d, &mut at, &outcome).await;
         avoid = std::mem::take(&mut at.avoid);
@@ -91,6 +104,13 @@ async fn drive(
                 d.node.stats.reroutes.fetch_add(1, Ordering::Relaxed);
                 leave_out(&d.node, &mut avoid, &peer, why, remember);
             }
+            (Err(Stop::Diverged), None) => {
+                warn!(
+                    "generation {}: the tokens it was taken over with are not what this head \
+                     derives; recomputing token by token",
+                    req.generation
+                );
+            }
             (Ok(ev), None) => return Ok(ev),
             (Err(Stop::Failed(m)), None) | (Err(Stop::Liar(m)), None) => return Err(m),
         }
@@ -99,6 +119,31 @@ async fn drive(
     Err(format!(
         "gave up after {MAX_ATTEMPTS} attempts: too many peers lied or failed{why}"
     ))
+}
+
+/// Refuses a taken-over generation whose transcript could not be this generation's.
+fn check_resume(d: &Daemon, req: &GenerationRequest) -> Result<(), String> {
+    let cfg = &d.node.model_cfg;
+    let n = req.resume.len();
+    if n > req.max_new_tokens as usize {
+        return Err(format!(
+            "the request resumes from {n} tokens of at most {}",
+            req.max_new_tokens
+        ));
+    }
+    if req.prompt.len() + n > cfg.max_positions {
+        return Err(format!(
+            "the prompt and the {n} tokens resumed from exceed the model's {} positions",
+            cfg.max_positions
+        ));
+    }
+    match req.resume.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        Some(t) => Err(format!(
+            "resumed token {t} is beyond the vocabulary of {}",
+            cfg.vocab_size
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Plans attempt `n` without the `avoid`ed peers and tells the client its route.
@@ -166,13 +211,15 @@ async fn end_attempt(
 
 /// One pass over the generation: the prompt's laps, then sample → stream → lap until the
 /// sampler stops. Tokens already `delivered` by an earlier attempt are recomputed silently;
-/// if the new ones differ, one `Corrected` event carries them.
+/// if the new ones differ, one `Corrected` event carries them. With `fast_forward` they are
+/// fed as prefill with the prompt and re-derived from its rows' logits instead.
 async fn run_attempt(
     d: &Daemon,
     req: &GenerationRequest,
     at: &mut Attempt,
     tx: &mpsc::Sender<GenerationEvent>,
     delivered: &mut Vec<u32>,
+    fast_forward: bool,
 ) -> Result<GenerationEvent, Stop> {
     let greq = GenerateRequest {
         prompt: req.prompt.clone(),
@@ -184,13 +231,26 @@ async fn run_attempt(
     let mut tl =
         TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;
     let replay = delivered.len();
-    let (mut step, mut pos) = (0u64, 0usize);
-    let mut logits = Vec::new();
-    for chunk in greq.prompt.chunks(greq.chunk) {
-        logits = lap(d, at, step, chunk.to_vec(), pos).await?;
-        step += 1;
-        pos += chunk.len();
-    }
+    let known: Vec<u32> = if fast_forward {
+        delivered.clone()
+    } else {
+        Vec::new()
+    };
+    // Prefill: the logits of the rows that sample the first token and re-derive the known ones.
+    let fed = [&greq.prompt[..], &known[..]].concat();
+    let mut derived = prefill(
+        d,
+        at,
+        &fed,
+        greq.chunk,
+        greq.prompt.len(),
+        !known.is_empty(),
+    )
+    .await?;
+    let (mut step, mut pos) = (fed.chunks(greq.chunk).len() as u64, fed.len());
+    let (mut at_pos, mut logits) = derived
+        .pop_front()
+        .ok_or_else(|| Stop::Failed("an empty prompt".into()))?;
     let why = loop {
         // Sample.
         let (t, done) = match tl.next(&logits).map_err(|e| e.to_string())? {
@@ -198,8 +258,12 @@ async fn run_attempt(
             Next::Last(t, why) => (Some(t), Some(why)),
             Next::Done(why) => (None, Some(why)),
         };
-        // Stream what the client does not hold yet.
         let produced = tl.tokens.len();
+        if t.is_some() && produced <= known.len() && tl.tokens[produced - 1] != known[produced - 1]
+        {
+            return Err(Stop::Diverged);
+        }
+        // Stream what the client does not hold yet.
         if let (Some(t), true) = (t, produced > replay) {
             d.node.stats.tokens.fetch_add(1, Ordering::Relaxed);
             delivered.push(t);
@@ -218,11 +282,18 @@ async fn run_attempt(
         if let Some(why) = done {
             break why;
         }
-        // Lap.
-        let t = tl.tokens[tl.tokens.len() - 1];
-        logits = lap(d, at, step, vec![t], pos).await?;
-        step += 1;
-        pos += 1;
+        // The next logits: re-derived from prefill, or a lap of the token just sampled.
+        (at_pos, logits) = match derived.pop_front() {
+            Some(row) => row,
+            None => {
+                let t = tl.tokens[tl.tokens.len() - 1];
+                let mut rows = lap(d, at, step, vec![t], pos, pos).await?;
+                step += 1;
+                pos += 1;
+                rows.pop_front()
+                    .ok_or_else(|| Stop::Failed("no logits".into()))?
+            }
+        };
     };
     let stop = serde_json::to_value(why)
         .ok()
@@ -231,22 +302,52 @@ async fn run_attempt(
     Ok(GenerationEvent::Done {
         tokens: tl.tokens.clone(),
         stop,
-        final_logits: logits_commitment(pos.saturating_sub(1), &logits),
+        final_logits: logits_commitment(at_pos, &logits),
     })
 }
 
+/// Runs `fed` (the prompt, then any tokens the client holds) through the route in chunks of
+/// `chunk`, and returns the logits, with their positions, of the rows that sample: the last
+/// row only, or with `every_row` every row from the prompt's last (`prompt_len - 1`) on.
+async fn prefill(
+    d: &Daemon,
+    at: &mut Attempt,
+    fed: &[u32],
+    chunk: usize,
+    prompt_len: usize,
+    every_row: bool,
+) -> Result<VecDeque<(usize, Vec<f32>)>, Stop> {
+    let mut rows = VecDeque::new();
+    let mut pos = 0;
+    for (step, c) in fed.chunks(chunk).enumerate() {
+        let end = pos + c.len();
+        let from = match every_row {
+            true => prompt_len.saturating_sub(1).max(pos),
+            false => end - 1,
+        };
+        let got = lap(d, at, step as u64, c.to_vec(), pos, from.min(end - 1)).await?;
+        if !every_row {
+            rows.clear();
+        }
+        rows.extend(got.into_iter().filter(|(p, _)| *p >= from));
+        pos = end;
+    }
+    Ok(rows)
+}
+
 /// Embeds `tokens` at `pos`, runs them through the route as hop `step`, and reads out the
-/// last row's logits.
+/// logits of the rows from position `from` on, each with its position.
 async fn lap(
     d: &Daemon,
     at: &mut Attempt,
     step: u64,
     tokens: Vec<u32>,
     pos: usize,
-) -> Result<Vec<f32>, Stop> {
+    from: usize,
+) -> Result<VecDeque<(usize, Vec<f32>)>, Stop> {
     let x = embed(d, tokens, pos).await?;
     let y = at.lap(d, step, x).await?;
-    Ok(readout(d, y).await?)
+    Ok(readout(d, y.rows_from(from)).await?)
 }
 
 /// Embeds `tokens` at `start` (head weights, compute pool).
@@ -262,15 +363,20 @@ async fn embed(d: &Daemon, tokens: Vec<u32>, start: usize) -> Result<Activations
     .map_err(|e| e.to_string())?
 }
 
-/// Logits of the last row.
-async fn readout(d: &Daemon, x: Activations) -> Result<Vec<f32>, String> {
+/// Logits of every row of `x`, each with its position.
+async fn readout(d: &Daemon, x: Activations) -> Result<VecDeque<(usize, Vec<f32>)>, String> {
     let serving = d.node.serving().ok_or("not serving yet")?;
-    let gemm = d.node.gemm.clone();
+    let (gemm, vocab) = (d.node.gemm.clone(), d.node.model_cfg.vocab_size);
     tokio::task::spawn_blocking(move || {
-        serving
+        let logits = serving
             .model
-            .readout(&gemm, &x.last_row())
-            .map_err(|e| e.to_string())
+            .readout(&gemm, &x)
+            .map_err(|e| e.to_string())?;
+        Ok(logits
+            .chunks(vocab.max(1))
+            .enumerate()
+            .map(|(i, row)| (x.start + i, row.to_vec()))
+            .collect())
     })
     .await
     .map_err(|e| e.to_string())?

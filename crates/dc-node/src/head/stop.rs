@@ -17,6 +17,9 @@ pub(super) enum Stop {
         /// only busy).
         remember: bool,
     },
+    /// The tokens a taken-over generation's client holds are not what this head derives from
+    /// them: recompute the generation token by token and correct the client.
+    Diverged,
     /// Anything else ends the generation.
     Failed(String),
 }
