@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use crate::core::view::coverage;
+use crate::core::view::{coverage, uncovered};
 use crate::daemon::Daemon;
 
 /// The status document.
@@ -66,6 +66,7 @@ pub fn status(d: &Daemon) -> Value {
         "positions_served": node.stats.positions.load(Ordering::Relaxed),
         "audit_positions_replayed": node.stats.audit_positions.load(Ordering::Relaxed),
         "tokens_generated": node.stats.tokens.load(Ordering::Relaxed),
+        "uncovered": uncovered(&cov).iter().map(|g| g.to_string()).collect::<Vec<_>>(),
         "coverage": cov,
         "audits": audits,
         "excluded_peers": excluded,

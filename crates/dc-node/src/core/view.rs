@@ -219,6 +219,22 @@ pub fn coverage(num_layers: u32, participants: &[Participant]) -> Vec<u32> {
     c
 }
 
+/// The ranges of layers no one serves, given each layer's replicas.
+pub fn uncovered(coverage: &[u32]) -> Vec<LayerRange> {
+    let mut gaps: Vec<LayerRange> = Vec::new();
+    for (l, _) in coverage.iter().enumerate().filter(|(_, &c)| c == 0) {
+        let l = l as u32;
+        match gaps.last_mut() {
+            Some(g) if g.end == l => g.end = l + 1,
+            _ => gaps.push(LayerRange {
+                start: l,
+                end: l + 1,
+            }),
+        }
+    }
+    gaps
+}
+
 /// The window of `len` layers a joining daemon should serve: the one whose layers have the
 /// fewest replicas in total (so a gap is filled first); ties go to the earlier window.
 pub fn least_served_window(num_layers: u32, len: u32, coverage: &[u32]) -> LayerRange {
@@ -292,6 +308,17 @@ mod tests {
             seq,
             listen_addrs: vec![],
         }
+    }
+
+    #[test]
+    fn uncovered_layers_come_as_ranges() {
+        let r = |start, end| LayerRange { start, end };
+        assert_eq!(
+            uncovered(&[1, 0, 0, 2, 0, 1, 0]),
+            vec![r(1, 3), r(4, 5), r(6, 7)]
+        );
+        assert_eq!(uncovered(&[1, 1]), vec![]);
+        assert_eq!(uncovered(&[0, 0]), vec![r(0, 2)]);
     }
 
     #[test]

@@ -23,7 +23,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
 use dc_model::Activations;
@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::attempt::Attempt;
-use super::plan::{attempt_id, plan, sampling};
+use super::plan::{attempt_id, plan, sampling, PlanError};
 use super::stop::{leave_out, Avoided, Stop};
 use crate::core::SpotRate;
 use crate::daemon::Daemon;
@@ -121,6 +121,12 @@ async fn drive(
     ))
 }
 
+/// How long a generation waits for layers no one serves to be covered before it fails: three
+/// peer timeouts (30 s by default), enough for a daemon to notice the loss and move.
+fn coverage_wait(d: &Daemon) -> Duration {
+    d.node.cfg.peer_timeout * 3
+}
+
 /// Refuses a taken-over generation whose transcript could not be this generation's.
 fn check_resume(d: &Daemon, req: &GenerationRequest) -> Result<(), String> {
     let cfg = &d.node.model_cfg;
@@ -155,7 +161,20 @@ async fn start_attempt(
     tx: &mpsc::Sender<GenerationEvent>,
 ) -> Result<Attempt, String> {
     let g = attempt_id(&req.generation, n);
-    let (route, shadows) = plan(d, req, &g, &avoid)?;
+    // Layers no one serves now may be covered soon (a daemon with room moves to them): wait.
+    let deadline = Instant::now() + coverage_wait(d);
+    let (route, shadows) = loop {
+        match plan(d, req, &g, &avoid) {
+            Ok(planned) => break planned,
+            Err(e @ PlanError::Uncovered(..)) if Instant::now() < deadline => {
+                d.node.log_once(format!("wait:{g}"), || {
+                    format!("generation {g} waits for coverage: {e}")
+                });
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    };
     info!(
         "heading generation {g}: route {}",
         route

@@ -4,12 +4,12 @@
 //! `--verify all`, and the request's sampling settings.
 
 use dc_model::sampling::SamplingParams;
-use dc_types::{GenerationId, GenerationRequest, RouteHop, VerifyMode};
+use dc_types::{GenerationId, GenerationRequest, LayerRange, RouteHop, VerifyMode};
 
 use super::attempt::Shadows;
 use super::stop::avoided;
 use crate::check::audit::pick_peer;
-use crate::core::view::plan_route;
+use crate::core::view::{coverage, plan_route, uncovered};
 use crate::daemon::Daemon;
 
 /// The sampler's settings for `req`.
@@ -35,17 +35,53 @@ pub(super) fn attempt_id(g: &GenerationId, n: usize) -> GenerationId {
 
 /// Plans attempt `g`'s route (and `--verify all`'s second peers) among the participants, leaving
 /// out the peers in `avoid` (whose answers this generation could not use).
+/// Why no route could be planned.
+pub(super) enum PlanError {
+    /// No healthy peer serves these layers (a generation may wait for them to be covered).
+    Uncovered(Vec<LayerRange>, String),
+    /// Anything else.
+    Other(String),
+}
+
+impl From<String> for PlanError {
+    fn from(s: String) -> PlanError {
+        PlanError::Other(s)
+    }
+}
+
+impl From<&str> for PlanError {
+    fn from(s: &str) -> PlanError {
+        PlanError::Other(s.into())
+    }
+}
+
+impl std::fmt::Display for PlanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlanError::Uncovered(gaps, left_out) => {
+                let gaps: Vec<String> = gaps.iter().map(|g| g.to_string()).collect();
+                write!(
+                    f,
+                    "layers {} are not served by any healthy peer{left_out}",
+                    gaps.join(", ")
+                )
+            }
+            PlanError::Other(why) => f.write_str(why),
+        }
+    }
+}
+
 pub(super) fn plan(
     d: &Daemon,
     req: &GenerationRequest,
     g: &GenerationId,
     avoid: &[(String, String)],
-) -> Result<(Vec<RouteHop>, Option<Shadows>), String> {
+) -> Result<(Vec<RouteHop>, Option<Shadows>), PlanError> {
     if req.model_id != d.node.model_id {
-        return Err(format!(
+        return Err(PlanError::Other(format!(
             "this daemon serves model {}, not {}",
             d.node.model_id, req.model_id
-        ));
+        )));
     }
     let serving = d.node.serving().ok_or("this daemon is still loading")?;
     if !serving.head {
@@ -64,6 +100,10 @@ pub(super) fn plan(
     let mut preferred = participants.clone();
     preferred.retain(|p| !recent.contains(&p.peer));
     let layers = d.node.model_cfg.num_layers as u32;
+    let gaps = uncovered(&coverage(layers, &participants));
+    if !gaps.is_empty() {
+        return Err(PlanError::Uncovered(gaps, left_out()));
+    }
     let route = plan_route(g, layers, &d.node.local, &preferred)
         .or_else(|_| plan_route(g, layers, &d.node.local, &participants))
         .map_err(|e| e + &left_out())?;
@@ -87,7 +127,7 @@ pub(super) fn plan(
                             )
                         })
                 })
-                .collect::<Result<Vec<_>, _>>()?,
+                .collect::<Result<Vec<_>, String>>()?,
         ),
         VerifyMode::Sampled(_) => None,
     };

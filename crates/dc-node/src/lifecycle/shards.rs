@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use super::gossip::announce;
 use crate::core::memory::layers_that_fit;
-use crate::core::view::{coverage, least_served_window, should_move};
+use crate::core::view::{coverage, least_served_window, should_move, uncovered};
 use crate::core::{LayerChoice, Node, Serving};
 use crate::daemon::Daemon;
 
@@ -94,15 +94,18 @@ pub fn choose_auto(node: &Node) -> Result<LayerRange, String> {
 /// Announcements, peer expiry, cache expiry and (auto layers) shard re-checks.
 pub async fn periodic(d: Daemon, mut stop: watch::Receiver<bool>) {
     let node = &d.node;
+    let auto = node.cfg.layers == LayerChoice::Auto;
     let mut announcing = tokio::time::interval(node.cfg.announce_every);
     // Jitter so that auto daemons seeing the same gap do not all move at once.
-    let jitter = Duration::from_millis(
-        u64::from(node.local.bytes().fold(0u8, |a, b| a.wrapping_add(b))) * 20,
-    );
+    let spread = node.local.bytes().fold(0u8, |a, b| a.wrapping_add(b));
+    let jitter = Duration::from_millis(u64::from(spread) * 20);
     let mut rebalance = tokio::time::interval_at(
         tokio::time::Instant::now() + node.cfg.rebalance_every / 2 + jitter,
         node.cfg.rebalance_every,
     );
+    // When a gap opens, an auto daemon checks at once, after a jitter within a peer timeout.
+    let heal_jitter = node.cfg.peer_timeout.mul_f64(f64::from(spread) / 256.0);
+    let mut heal_at: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -113,10 +116,21 @@ pub async fn periodic(d: Daemon, mut stop: watch::Receiver<bool>) {
                 }
                 d.stage.expire();
                 announce(&d).await;
+                if auto && heal_at.is_none() && has_gap(node) {
+                    heal_at = Some(tokio::time::Instant::now() + heal_jitter);
+                }
+            }
+            _ = tokio::time::sleep_until(heal_at.unwrap_or_else(tokio::time::Instant::now)), if heal_at.is_some() => {
+                heal_at = None;
+                if node.state() == PeerState::Serving {
+                    if let Err(e) = rebalance_once(&d, true).await {
+                        warn!("covering a gap: {e}");
+                    }
+                }
             }
             _ = rebalance.tick() => {
-                if node.cfg.layers == LayerChoice::Auto && node.state() == PeerState::Serving {
-                    if let Err(e) = rebalance_once(&d).await {
+                if auto && node.state() == PeerState::Serving {
+                    if let Err(e) = rebalance_once(&d, false).await {
                         warn!("shard re-check: {e}");
                     }
                 }
@@ -125,13 +139,22 @@ pub async fn periodic(d: Daemon, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// Whether some layer is served by no healthy peer (this daemon included).
+fn has_gap(node: &Node) -> bool {
+    let n = node.model_cfg.num_layers as u32;
+    !uncovered(&coverage(n, &node.participants())).is_empty()
+}
+
 /// Moves to a better window if the swarm's weakest layer gains and nothing is left uncovered.
-async fn rebalance_once(d: &Daemon) -> Result<(), String> {
+/// A daemon busy with generations waits for the next re-check, unless it is `healing` a gap
+/// (the generations through its layers then go on at the other peers serving them: it moves
+/// only if they are served elsewhere).
+async fn rebalance_once(d: &Daemon, healing: bool) -> Result<(), String> {
     let node = &d.node;
     let Some(current) = node.serving() else {
         return Ok(());
     };
-    if node.active_generations() > 0 {
+    if node.active_generations() > 0 && !healing {
         return Ok(());
     }
     let n = node.model_cfg.num_layers as u32;
