@@ -1,8 +1,12 @@
-//! The one network behaviour: every protocol a daemon speaks, side by side.
+//! The one network behaviour: every protocol a daemon speaks, side by side, behind the
+//! connection limits.
 
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
-use libp2p::{gossipsub, identify, kad, mdns, ping, request_response};
+use libp2p::{
+    autonat, connection_limits, dcutr, gossipsub, identify, kad, mdns, ping, relay,
+    request_response,
+};
 
 use crate::codec::FrameCodec;
 use dc_types::{StageRequest, StageResponse};
@@ -18,6 +22,8 @@ pub(crate) const IDENTIFY_VERSION: &str = "/daisychain/1";
 
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
+    /// First, so that a connection over the limits is refused before any protocol sees it.
+    pub limits: connection_limits::Behaviour,
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
     pub kad: kad::Behaviour<kad::store::MemoryStore>,
@@ -25,4 +31,12 @@ pub(crate) struct Behaviour {
     pub mdns: Toggle<mdns::tokio::Behaviour>,
     pub stage: request_response::Behaviour<FrameCodec<StageRequest, StageResponse>>,
     pub streams: libp2p_stream::Behaviour,
+    /// Learns whether we are publicly reachable, and answers others' probes.
+    pub autonat: autonat::v1::Behaviour,
+    /// Relays for others (circuit relay v2 server), unless `NetConfig::relay_service` is off.
+    pub relay: Toggle<relay::Behaviour>,
+    /// Reserves slots on relays and dials through them (circuit relay v2 client).
+    pub relay_client: relay::client::Behaviour,
+    /// Upgrades relayed connections to direct ones by hole punching.
+    pub dcutr: dcutr::Behaviour,
 }

@@ -10,6 +10,7 @@ use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::behaviour::GENERATION_PROTOCOL;
+use crate::nat::{ConnectionInfo, Reachability};
 
 /// What can go wrong talking to peers.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -63,6 +64,12 @@ pub(crate) enum Command {
     },
     ConnectedPeers {
         reply: oneshot::Sender<Vec<PeerId>>,
+    },
+    Connections {
+        reply: oneshot::Sender<Vec<ConnectionInfo>>,
+    },
+    Reachability {
+        reply: oneshot::Sender<Reachability>,
     },
 }
 
@@ -147,6 +154,23 @@ impl Client {
     pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NetError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ConnectedPeers { reply }).await?;
+        rx.await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Every open connection: its peer, whether it is direct or relayed, its remote address
+    /// and direction. A peer may have several (e.g. a relayed one and the direct one DCUtR
+    /// punched next to it).
+    pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Connections { reply }).await?;
+        rx.await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Whether this daemon is publicly reachable, as last found (the same value as the last
+    /// [`crate::NetEvent::Reachability`]; `Unknown` before the first finding).
+    pub async fn reachability(&self) -> Result<Reachability, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Reachability { reply }).await?;
         rx.await.map_err(|_| NetError::Stopped)
     }
 
