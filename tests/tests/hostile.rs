@@ -19,16 +19,14 @@ async fn intruder(
     max_bytes: usize,
 ) -> (dc_net::Client, tokio::sync::mpsc::Receiver<NetEvent>) {
     let cfg = NetConfig {
-        keypair: libp2p::identity::Keypair::generate_ed25519(),
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
         bootstrap: vec![bootstrap.parse().unwrap()],
-        mdns: false,
-        topic,
         max_request_bytes: max_bytes,
         max_response_bytes: max_bytes,
         max_gossip_bytes: 1 << 20,
         request_timeout: Duration::from_secs(20),
         agent: "intruder".into(),
+        ..NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), topic)
     };
     let (client, events, ev_loop) = dc_net::start(cfg).unwrap();
     tokio::spawn(ev_loop.run());

@@ -15,8 +15,8 @@ use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, Respons
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{ConnectionId, DialError, ListenError, SwarmEvent};
 use libp2p::{
-    autonat, dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId,
-    StreamProtocol, Swarm,
+    autonat, dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId, StreamProtocol,
+    Swarm,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
@@ -54,6 +54,9 @@ pub enum NetEvent {
     /// (`<relay addr>/p2p/<relay>/p2p-circuit`) once a relay accepted our reservation. Never
     /// ends with our own `/p2p/<peer id>`. Announce these.
     ListenAddr(Multiaddr),
+    /// We no longer listen on an address (a relay reservation ended, an interface went away):
+    /// stop announcing it.
+    ListenAddrExpired(Multiaddr),
     /// AutoNAT's finding changed (or, with [`NatConfig::assume_private`], `Private` once at
     /// start).
     Reachability(Reachability),
@@ -237,12 +240,14 @@ fn build_behaviour(
             protocol: "gossipsub config",
             reason: e.to_string(),
         })?;
-    let gossipsub =
-        gossipsub::Behaviour::new(gossipsub::MessageAuthenticity::Signed(key.clone()), gossip_cfg)
-            .map_err(|e| StartError::Behaviour {
-                protocol: "gossipsub",
-                reason: e.to_string(),
-            })?;
+    let gossipsub = gossipsub::Behaviour::new(
+        gossipsub::MessageAuthenticity::Signed(key.clone()),
+        gossip_cfg,
+    )
+    .map_err(|e| StartError::Behaviour {
+        protocol: "gossipsub",
+        reason: e.to_string(),
+    })?;
     let mut kad_cfg = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
     kad_cfg.set_query_timeout(Duration::from_secs(30));
     let mut kad = kad::Behaviour::with_config(local, kad::store::MemoryStore::new(local), kad_cfg);
@@ -301,7 +306,9 @@ impl EventLoop {
             }
         }
         if self.nat.assume_private {
-            info!("taking this daemon as private (not reachable from outside): relays will be used");
+            info!(
+                "taking this daemon as private (not reachable from outside): relays will be used"
+            );
             self.emit(NetEvent::Reachability(Reachability::Private))
                 .await;
         }
@@ -459,10 +466,7 @@ impl EventLoop {
 
     /// A peer's identify info: keep its addresses, and note whether it can relay for us.
     fn on_identify(&mut self, peer: PeerId, connection: ConnectionId, info: identify::Info) {
-        let is_relay = info
-            .protocols
-            .iter()
-            .any(|p| *p == relay::HOP_PROTOCOL_NAME);
+        let is_relay = info.protocols.contains(&relay::HOP_PROTOCOL_NAME);
         let conn = self.connections.get(&connection).cloned();
         let mut relay_addr = None;
         if let Some(c) = conn.filter(|c| c.kind == nat::ConnectionKind::Direct) {
@@ -548,11 +552,20 @@ impl EventLoop {
                 }
                 self.emit(NetEvent::ListenAddr(address)).await;
             }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                let address = self.ours(address);
+                info!("no longer listening on {address}");
+                self.emit(NetEvent::ListenAddrExpired(address)).await;
+            }
             SwarmEvent::ListenerClosed {
                 listener_id,
                 reason,
-                ..
+                addresses,
             } => {
+                for address in addresses {
+                    let address = self.ours(address);
+                    self.emit(NetEvent::ListenAddrExpired(address)).await;
+                }
                 if let Some(relay) =
                     self.reservations
                         .closed(listener_id, reason.is_ok(), Instant::now())
@@ -684,14 +697,10 @@ impl EventLoop {
             SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
                 relay::client::Event::ReservationReqAccepted {
                     relay_peer_id,
-                    renewal,
+                    renewal: false,
                     ..
                 },
-            )) => {
-                if !renewal {
-                    info!("relay {relay_peer_id} accepted our reservation");
-                }
-            }
+            )) => info!("relay {relay_peer_id} accepted our reservation"),
             SwarmEvent::Behaviour(BehaviourEvent::RelayClient(e)) => debug!("relay client: {e:?}"),
             SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => debug!("relay service: {e:?}"),
             SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {

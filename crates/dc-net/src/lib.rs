@@ -25,6 +25,7 @@ mod transport;
 pub use client::{Client, NetError};
 pub use config::StartError;
 pub use event_loop::{start, EventLoop, NetConfig, NetEvent};
+pub use libp2p::multiaddr::Protocol;
+pub use libp2p::{Multiaddr, PeerId};
 pub use nat::{ConnectionInfo, ConnectionKind, NatConfig, Reachability, RelayLimits};
 pub use swarm_key::{KeyFormatError, SwarmKey, SwarmKeyError};
-pub use libp2p::{Multiaddr, PeerId};

@@ -18,9 +18,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use libp2p::core::transport::ListenerId;
 use libp2p::core::ConnectedPoint;
 use libp2p::multiaddr::Protocol;
-use libp2p::core::transport::ListenerId;
 use libp2p::{Multiaddr, PeerId};
 
 /// Whether this daemon can be dialled from outside, as AutoNAT last found.
@@ -269,7 +269,12 @@ impl Reservations {
 
     /// A listener closed; returns the relay if it was one of ours. A failed one is not asked
     /// again for a while.
-    pub(crate) fn closed(&mut self, listener: ListenerId, ok: bool, now: Instant) -> Option<PeerId> {
+    pub(crate) fn closed(
+        &mut self,
+        listener: ListenerId,
+        ok: bool,
+        now: Instant,
+    ) -> Option<PeerId> {
         let relay = self.active.remove(&listener)?;
         if !ok {
             self.failed.insert(relay, now);
@@ -363,7 +368,10 @@ mod tests {
     fn addresses_lose_their_peer_id() {
         let p = PeerId::random();
         let a = addr("/ip4/1.2.3.4/tcp/1/p2p-circuit").with(Protocol::P2p(p));
-        assert_eq!(without_peer(a.clone()), addr("/ip4/1.2.3.4/tcp/1/p2p-circuit"));
+        assert_eq!(
+            without_peer(a.clone()),
+            addr("/ip4/1.2.3.4/tcp/1/p2p-circuit")
+        );
         assert!(is_relayed(&a));
         assert!(!is_relayed(&addr("/ip4/1.2.3.4/tcp/1")));
     }

@@ -180,7 +180,10 @@ impl SwarmKey {
         if key.is_empty() {
             return Err(KeyFormatError::MissingKey);
         }
-        if let Some((position, found)) = key.chars().enumerate().find(|(_, c)| !c.is_ascii_hexdigit())
+        if let Some((position, found)) = key
+            .chars()
+            .enumerate()
+            .find(|(_, c)| !c.is_ascii_hexdigit())
         {
             return Err(KeyFormatError::BadHex { found, position });
         }

@@ -60,6 +60,9 @@ pub enum Command {
     Join(JoinArgs),
     /// Check a fraud proof with your own copy of the model's weights.
     VerifyProof(VerifyProofArgs),
+    /// Private swarms' pre-shared keys.
+    #[command(subcommand)]
+    SwarmKey(SwarmKeyCommand),
     /// Show the local daemon's status: a live dashboard, or one JSON snapshot.
     Status(StatusArgs),
     /// Inspect the configuration.
@@ -88,6 +91,19 @@ pub struct JoinArgs {
     /// Do not discover peers on the local network.
     #[arg(long)]
     pub no_mdns: bool,
+    /// A private swarm: the pre-shared key file (`dcd swarm-key new FILE` writes one). Only
+    /// daemons holding the same key can connect; a private swarm runs over TCP only (QUIC is
+    /// off) [env: DCD_SWARM_KEY; config: swarm_key].
+    #[arg(long, value_name = "FILE")]
+    pub swarm_key: Option<std::path::PathBuf>,
+    /// Do not relay for peers behind NAT (by default a daemon relays, within limits, once
+    /// AutoNAT finds it publicly reachable).
+    #[arg(long)]
+    pub no_relay_service: bool,
+    /// Take this daemon as unreachable from outside (behind a NAT that AutoNAT cannot probe):
+    /// reserve slots on relays at once and announce the relayed addresses.
+    #[arg(long)]
+    pub assume_private: bool,
     /// Do not hold the head weights (embeddings, final norm, output projection).
     #[arg(long)]
     pub no_head: bool,
@@ -179,6 +195,20 @@ pub enum ConfigCommand {
     /// Print the resolved configuration and where each value came from (flag, env DCD_*,
     /// file, default).
     Show(ConfigShowArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SwarmKeyCommand {
+    /// Write a new random pre-shared key for a private swarm to FILE (readable by its owner
+    /// only; an existing file is never overwritten). Give the file to every member's
+    /// `dcd join --swarm-key FILE`.
+    New(SwarmKeyNewArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SwarmKeyNewArgs {
+    /// Where to write the key.
+    pub file: std::path::PathBuf,
 }
 
 #[derive(Debug, Args)]

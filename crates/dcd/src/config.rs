@@ -45,6 +45,30 @@ pub const KEYS: &[(&str, &str)] = &[
     ("bootstrap", "peers to dial at start (multiaddrs)"),
     ("mdns", "discover peers on the local network"),
     (
+        "swarm_key",
+        "pre-shared key file of a private swarm (TCP only; dcd swarm-key new FILE writes one)",
+    ),
+    (
+        "relay_service",
+        "relay for peers behind NAT once this daemon is found publicly reachable",
+    ),
+    (
+        "assume_private",
+        "take this daemon as unreachable from outside: reserve relay slots at once",
+    ),
+    (
+        "autonat_global_only",
+        "trust and serve reachability probes only from global IP addresses",
+    ),
+    (
+        "max_connections",
+        "established connections at most (1 to 65536)",
+    ),
+    (
+        "max_connections_per_peer",
+        "established connections at most with one peer (1 to 64)",
+    ),
+    (
         "max_memory",
         "memory budget for weights and caches (bytes, or 4GiB, 512MB, ...)",
     ),
@@ -158,6 +182,18 @@ pub struct Settings {
     pub bootstrap: Vec<Multiaddr>,
     /// Local-network discovery.
     pub mdns: bool,
+    /// A private swarm's key file (`None`: the open swarm).
+    pub swarm_key: Option<PathBuf>,
+    /// Relay for peers behind NAT.
+    pub relay_service: bool,
+    /// Take this daemon as unreachable from outside.
+    pub assume_private: bool,
+    /// AutoNAT trusts and serves only global IP addresses.
+    pub autonat_global_only: bool,
+    /// Established connections at most.
+    pub max_connections: u32,
+    /// Established connections at most with one peer.
+    pub max_connections_per_peer: u32,
     /// Memory budget, bytes (`None`: no budget).
     pub max_memory: Option<u64>,
     /// Generations served at once.
@@ -198,6 +234,12 @@ impl Settings {
             listen: d.listen,
             bootstrap: d.bootstrap,
             mdns: d.mdns,
+            swarm_key: None,
+            relay_service: d.relay_service,
+            assume_private: d.nat.assume_private,
+            autonat_global_only: d.nat.autonat_only_global_ips,
+            max_connections: d.max_connections,
+            max_connections_per_peer: d.max_connections_per_peer,
             max_memory: d.max_memory,
             max_generations: d.max_generations,
             announce_secs: d.announce_every.as_secs_f64(),
@@ -236,6 +278,12 @@ impl Settings {
             "listen" => strings(&self.listen),
             "bootstrap" => strings(&self.bootstrap),
             "mdns" => V::Boolean(self.mdns),
+            "swarm_key" => V::String(self.swarm_key.as_ref()?.display().to_string()),
+            "relay_service" => V::Boolean(self.relay_service),
+            "assume_private" => V::Boolean(self.assume_private),
+            "autonat_global_only" => V::Boolean(self.autonat_global_only),
+            "max_connections" => V::Integer(i64::from(self.max_connections)),
+            "max_connections_per_peer" => V::Integer(i64::from(self.max_connections_per_peer)),
             "max_memory" => V::Integer(i64::try_from(self.max_memory?).ok()?),
             "max_generations" => V::Integer(self.max_generations as i64),
             "announce_secs" => V::Float(self.announce_secs),
@@ -262,6 +310,7 @@ impl Settings {
         cfg.listen = self.listen.clone();
         cfg.bootstrap = self.bootstrap.clone();
         cfg.mdns = self.mdns;
+        self.network(&mut cfg)?;
         cfg.api = self.api;
         cfg.api_token = self.api_token.clone();
         cfg.max_memory = self.max_memory;
@@ -281,6 +330,25 @@ impl Settings {
         cfg.audit_rate = self.audit_rate as f32;
         cfg.spot_check_rate = self.spot_check_rate;
         Ok(cfg)
+    }
+
+    /// The private swarm, NAT traversal and connection limits of `cfg`.
+    fn network(&self, cfg: &mut NodeConfig) -> Result<(), String> {
+        if let Some(path) = &self.swarm_key {
+            cfg.swarm_key = Some(dc_net::SwarmKey::read(path).map_err(|e| e.to_string())?);
+            // pnet cannot wrap QUIC: the default listen addresses lose their QUIC one (an
+            // explicit UDP address stays, and the network refuses it with a clear error).
+            if self.listen == Settings::defaults().listen {
+                cfg.listen
+                    .retain(|a| !a.iter().any(|p| matches!(p, dc_net::Protocol::Udp(_))));
+            }
+        }
+        cfg.relay_service = self.relay_service;
+        cfg.nat.assume_private = self.assume_private;
+        cfg.nat.autonat_only_global_ips = self.autonat_global_only;
+        cfg.max_connections = self.max_connections;
+        cfg.max_connections_per_peer = self.max_connections_per_peer;
+        Ok(())
     }
 
     /// Sets `key` from one value; the error says what is wrong with it (the caller adds the key
@@ -329,6 +397,12 @@ impl Settings {
             }
             "bootstrap" => self.bootstrap = multiaddrs(v)?,
             "mdns" => self.mdns = boolean(v)?,
+            "swarm_key" => self.swarm_key = Some(PathBuf::from(nonempty(v)?)),
+            "relay_service" => self.relay_service = boolean(v)?,
+            "assume_private" => self.assume_private = boolean(v)?,
+            "autonat_global_only" => self.autonat_global_only = boolean(v)?,
+            "max_connections" => self.max_connections = integer(v, 1, 65536)? as u32,
+            "max_connections_per_peer" => self.max_connections_per_peer = integer(v, 1, 64)? as u32,
             "max_memory" => self.max_memory = Some(size(v, 1, u64::MAX)?),
             "max_generations" => self.max_generations = integer(v, 1, 1024)? as usize,
             "announce_secs" => self.announce_secs = float(v, 0.05, 3600.0)?,
@@ -390,6 +464,15 @@ pub fn flags(cli: &crate::cli::Cli) -> Flags {
     }
     if a.no_mdns {
         f.set("mdns", "--no-mdns", false);
+    }
+    if let Some(k) = &a.swarm_key {
+        f.set("swarm_key", "--swarm-key", k.display().to_string());
+    }
+    if a.no_relay_service {
+        f.set("relay_service", "--no-relay-service", false);
+    }
+    if a.assume_private {
+        f.set("assume_private", "--assume-private", true);
     }
     if a.no_head {
         f.set("head", "--no-head", false);
@@ -879,6 +962,7 @@ mod tests {
                     "api_token" => "t".into(),
                     "max_memory" => "4GiB".into(),
                     "bootstrap" => "/ip4/10.0.0.1/tcp/7371".into(),
+                    "swarm_key" => "/etc/dcd/swarm.key".into(),
                     other => panic!("{other} has no default and no test value"),
                 });
             let name = env_name(key);

@@ -68,7 +68,16 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 async fn status(State(d): State<Daemon>) -> Response {
-    Json(super::status::status(&d)).into_response()
+    // A stopped network loop shows as no connections rather than no status.
+    let connections = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        d.node.client.connections(),
+    )
+    .await
+    .ok()
+    .and_then(Result::ok)
+    .unwrap_or_default();
+    Json(super::status::status(&d, &connections)).into_response()
 }
 
 /// Validates a body into a generation request.

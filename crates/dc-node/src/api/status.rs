@@ -1,16 +1,37 @@
 //! The daemon's status as one JSON document (`GET /status`, `dcd status --json`): this peer,
 //! the peers it knows, layer coverage and counters.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
+
+use dc_net::{ConnectionInfo, ConnectionKind};
 
 use serde_json::{json, Value};
 
 use crate::core::view::{coverage, uncovered};
 use crate::daemon::Daemon;
 
-/// The status document.
-pub fn status(d: &Daemon) -> Value {
+/// How we reach each connected peer: `"direct"` when any of its connections is direct (a
+/// hole punch leaves the relayed one open beside it for a while), else `"relayed"`.
+fn links(connections: &[ConnectionInfo]) -> HashMap<String, &'static str> {
+    let mut links = HashMap::new();
+    for c in connections {
+        let kind = match c.kind {
+            ConnectionKind::Direct => "direct",
+            ConnectionKind::Relayed => "relayed",
+        };
+        let e = links.entry(c.peer.to_string()).or_insert(kind);
+        if kind == "direct" {
+            *e = kind;
+        }
+    }
+    links
+}
+
+/// The status document; `connections` are the network's open connections.
+pub fn status(d: &Daemon, connections: &[ConnectionInfo]) -> Value {
+    let links = links(connections);
     let node = &d.node;
     let serving = node.serving();
     let now = Instant::now();
@@ -28,6 +49,7 @@ pub fn status(d: &Daemon) -> Value {
                 "free_memory": a.free_memory,
                 "active_generations": a.active_generations,
                 "software": a.software,
+                "connection": links.get(id).copied().unwrap_or("none"),
                 "last_seen_ms": now.duration_since(p.last_seen).as_millis() as u64,
             })
         })
@@ -40,6 +62,13 @@ pub fn status(d: &Daemon) -> Value {
         "peer_id": node.local,
         "listen_addrs": node.listen_addrs().iter().map(|a| format!("{a}/p2p/{}", node.local)).collect::<Vec<_>>(),
         "software": format!("dcd {}", env!("CARGO_PKG_VERSION")),
+        "reachability": node.reachability().to_string(),
+        "private_swarm": node.cfg.swarm_key.map(|k| k.fingerprint()),
+        "connections": {
+            "open": connections.len(),
+            "relayed": connections.iter().filter(|c| c.kind == ConnectionKind::Relayed).count(),
+            "max": node.cfg.max_connections,
+        },
         "model": node.cfg.model.display().to_string(),
         "model_id": node.model_id.to_string(),
         "num_layers": n,

@@ -125,6 +125,18 @@ pub struct NodeConfig {
     /// Probability that a head tests each part (weight product, attention, output) of each
     /// layer of a remote hop by a spot check (Freivalds on revealed rows), per stage.
     pub spot_check_rate: SpotRate,
+    /// The pre-shared key of a private swarm (`--swarm-key FILE`); `None`: the open swarm.
+    /// A private swarm runs over TCP only (pnet cannot wrap QUIC).
+    pub swarm_key: Option<dc_net::SwarmKey>,
+    /// Relay for peers behind NAT once AutoNAT finds us publicly reachable
+    /// (`--no-relay-service` turns it off).
+    pub relay_service: bool,
+    /// NAT traversal: AutoNAT, relay reservations, hole punching.
+    pub nat: dc_net::NatConfig,
+    /// Established connections at most, all peers together.
+    pub max_connections: u32,
+    /// Established connections at most with one peer.
+    pub max_connections_per_peer: u32,
 }
 
 impl NodeConfig {
@@ -162,6 +174,11 @@ impl NodeConfig {
             idle_threshold: 0.5,
             audit_rate: 0.01,
             spot_check_rate: SpotRate::Goal,
+            swarm_key: None,
+            relay_service: true,
+            nat: dc_net::NatConfig::default(),
+            max_connections: dc_net::config::DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_peer: dc_net::config::DEFAULT_MAX_CONNECTIONS_PER_PEER,
         }
     }
 }

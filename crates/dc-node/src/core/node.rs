@@ -109,6 +109,8 @@ pub struct Node {
     /// When the daemon started.
     pub started: Instant,
     listen_addrs: Mutex<Vec<Multiaddr>>,
+    /// Whether we are reachable from outside, as AutoNAT last found.
+    reachability: Mutex<dc_net::Reachability>,
     throughput: Mutex<f32>,
     /// Where the control API listens (once bound).
     pub api_addr: Mutex<Option<std::net::SocketAddr>>,
@@ -197,6 +199,7 @@ impl Node {
             special,
             started: Instant::now(),
             listen_addrs: Mutex::new(Vec::new()),
+            reachability: Mutex::new(dc_net::Reachability::Unknown),
             throughput: Mutex::new(0.0),
             api_addr: Mutex::new(None),
             excluded: Mutex::new(std::collections::BTreeMap::new()),
@@ -249,7 +252,25 @@ impl Node {
     /// Notes a new address we listen on.
     pub fn add_listen_addr(&self, addr: Multiaddr) {
         let mut addrs = self.listen_addrs.lock().unwrap_or_else(|e| e.into_inner());
-        addrs.push(addr);
+        if !addrs.contains(&addr) {
+            addrs.push(addr);
+        }
+    }
+
+    /// We no longer listen on an address (a relay reservation ended): stop announcing it.
+    pub fn remove_listen_addr(&self, addr: &Multiaddr) {
+        let mut addrs = self.listen_addrs.lock().unwrap_or_else(|e| e.into_inner());
+        addrs.retain(|a| a != addr);
+    }
+
+    /// Whether we are reachable from outside, as AutoNAT last found.
+    pub fn reachability(&self) -> dc_net::Reachability {
+        *self.reachability.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records what AutoNAT found.
+    pub fn set_reachability(&self, r: dc_net::Reachability) {
+        *self.reachability.lock().unwrap_or_else(|e| e.into_inner()) = r;
     }
 
     /// Sets the measured throughput of our layers.

@@ -21,7 +21,7 @@
 //! would, at prefill speed. A token that does not re-derive sends the generation back to one
 //! token per lap, and the client is corrected.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -153,6 +153,25 @@ fn check_resume(d: &Daemon, req: &GenerationRequest) -> Result<(), String> {
 }
 
 /// Plans attempt `n` without the `avoid`ed peers and tells the client its route.
+/// Peers we reach only through a relay (slower: routes take them last).
+async fn relayed_peers(d: &Daemon) -> HashSet<String> {
+    let Ok(Ok(connections)) =
+        tokio::time::timeout(Duration::from_secs(1), d.node.client.connections()).await
+    else {
+        return HashSet::new();
+    };
+    let direct: HashSet<String> = connections
+        .iter()
+        .filter(|c| c.kind == dc_net::ConnectionKind::Direct)
+        .map(|c| c.peer.to_string())
+        .collect();
+    connections
+        .iter()
+        .map(|c| c.peer.to_string())
+        .filter(|p| !direct.contains(p))
+        .collect()
+}
+
 async fn start_attempt(
     d: &Daemon,
     req: &GenerationRequest,
@@ -163,8 +182,9 @@ async fn start_attempt(
     let g = attempt_id(&req.generation, n);
     // Layers no one serves now may be covered soon (a daemon with room moves to them): wait.
     let deadline = Instant::now() + coverage_wait(d);
+    let relayed = relayed_peers(d).await;
     let (route, shadows) = loop {
-        match plan(d, req, &g, &avoid) {
+        match plan(d, req, &g, &avoid, &relayed) {
             Ok(planned) => break planned,
             Err(e @ PlanError::Uncovered(..)) if Instant::now() < deadline => {
                 d.node.log_once(format!("wait:{g}"), || {

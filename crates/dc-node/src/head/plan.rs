@@ -1,7 +1,9 @@
 //! Planning an attempt: its generation id (fresh caches at every stage after a
 //! recomputation), its route among the healthy peers (leaving out those this generation could
-//! not use, and preferring those that did not fail recently), the second peers of
+//! not use, and preferring those that did not fail recently and those connected directly), the second peers of
 //! `--verify all`, and the request's sampling settings.
+
+use std::collections::HashSet;
 
 use dc_model::sampling::SamplingParams;
 use dc_types::{GenerationId, GenerationRequest, LayerRange, RouteHop, VerifyMode};
@@ -33,8 +35,6 @@ pub(super) fn attempt_id(g: &GenerationId, n: usize) -> GenerationId {
     GenerationId(out)
 }
 
-/// Plans attempt `g`'s route (and `--verify all`'s second peers) among the participants, leaving
-/// out the peers in `avoid` (whose answers this generation could not use).
 /// Why no route could be planned.
 pub(super) enum PlanError {
     /// No healthy peer serves these layers (a generation may wait for them to be covered).
@@ -71,11 +71,14 @@ impl std::fmt::Display for PlanError {
     }
 }
 
+/// Plans attempt `g`'s route (and `--verify all`'s second peers) among the participants, leaving
+/// out the peers in `avoid` (whose answers this generation could not use).
 pub(super) fn plan(
     d: &Daemon,
     req: &GenerationRequest,
     g: &GenerationId,
     avoid: &[(String, String)],
+    relayed: &HashSet<String>,
 ) -> Result<(Vec<RouteHop>, Option<Shadows>), PlanError> {
     if req.model_id != d.node.model_id {
         return Err(PlanError::Other(format!(
@@ -104,7 +107,12 @@ pub(super) fn plan(
     if !gaps.is_empty() {
         return Err(PlanError::Uncovered(gaps, left_out()));
     }
-    let route = plan_route(g, layers, &d.node.local, &preferred)
+    // Peers reached only through a relay carry activations slower: a route takes them only
+    // where no directly connected peer serves the layers.
+    let mut direct = preferred.clone();
+    direct.retain(|p| !relayed.contains(&p.peer));
+    let route = plan_route(g, layers, &d.node.local, &direct)
+        .or_else(|_| plan_route(g, layers, &d.node.local, &preferred))
         .or_else(|_| plan_route(g, layers, &d.node.local, &participants))
         .map_err(|e| e + &left_out())?;
     let shadows = match req.verify {

@@ -65,6 +65,11 @@ fn on_net_event(d: &Daemon, ev: NetEvent) {
             println!("listening on {a}/p2p/{}", node.local);
             node.add_listen_addr(a);
         }
+        NetEvent::ListenAddrExpired(a) => node.remove_listen_addr(&a),
+        NetEvent::Reachability(r) => {
+            info!("reachability: {r}");
+            node.set_reachability(r);
+        }
         NetEvent::Connected(p) => info!("connected to {p}"),
         NetEvent::Disconnected(p) => {
             let p = p.to_string();

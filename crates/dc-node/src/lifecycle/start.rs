@@ -86,20 +86,25 @@ fn start_node(
             },
         ),
     };
+    let topic = format!(
+        "daisychain/announce/{PROTOCOL_VERSION}/{}",
+        model_id.short()
+    );
     let net = NetConfig {
-        keypair: keypair.clone(),
         listen: cfg.listen.clone(),
         bootstrap: cfg.bootstrap.clone(),
         mdns: cfg.mdns,
-        topic: format!(
-            "daisychain/announce/{PROTOCOL_VERSION}/{}",
-            model_id.short()
-        ),
         max_request_bytes: cfg.max_message_bytes,
         max_response_bytes: cfg.max_message_bytes,
         max_gossip_bytes: MAX_ANNOUNCEMENT,
         request_timeout: cfg.request_timeout,
         agent: format!("dcd/{}", env!("CARGO_PKG_VERSION")),
+        swarm_key: cfg.swarm_key,
+        relay_service: cfg.relay_service,
+        nat: cfg.nat.clone(),
+        max_connections: cfg.max_connections,
+        max_connections_per_peer: cfg.max_connections_per_peer,
+        ..NetConfig::new(keypair.clone(), topic)
     };
     let (client, events, event_loop) = dc_net::start(net)?;
     tokio::spawn(event_loop.run());

@@ -6,6 +6,7 @@ mod dashboard;
 mod model_cmds;
 mod selftest;
 mod swarm;
+mod swarm_key;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +16,7 @@ use dc_kernels::{Gemm, Kernel};
 use dc_model::tokenizer::{load_for_model, ChatTemplate, SpecialTokens, Tokenizer};
 use dc_model::{store, LoadOptions, Model};
 
-use crate::cli::{BenchCommand, Cli, Command, ConfigCommand, Global, ModelArg};
+use crate::cli::{BenchCommand, Cli, Command, ConfigCommand, Global, ModelArg, SwarmKeyCommand};
 
 pub fn run(mut cli: Cli) -> Result<ExitCode> {
     // Flags, DCD_* environment, config file and defaults resolve once, here.
@@ -38,6 +39,7 @@ pub fn run(mut cli: Cli) -> Result<ExitCode> {
             swarm::join(g, &resolved)
         }
         Command::VerifyProof(a) => swarm::verify_proof(g, a),
+        Command::SwarmKey(SwarmKeyCommand::New(a)) => swarm_key::new(a),
         Command::Status(a) => swarm::status(a, &resolved),
         Command::Config(ConfigCommand::Show(a)) => config_cmd::show(a, &resolved),
     }
