@@ -57,7 +57,7 @@ pub enum NetEvent {
     /// We no longer listen on an address (a relay reservation ended, an interface went away):
     /// stop announcing it.
     ListenAddrExpired(Multiaddr),
-    /// AutoNAT's finding changed (or, with [`NatConfig::assume_private`], `Private` once at
+    /// AutoNAT's finding changed (or, with [`NatConfig::reachability`] set, that once at
     /// start).
     Reachability(Reachability),
 }
@@ -212,11 +212,7 @@ pub fn start(cfg: NetConfig) -> Result<(Client, mpsc::Receiver<NetEvent>, EventL
         bootstrap: cfg.bootstrap,
         connections: HashMap::new(),
         private_swarm: cfg.swarm_key.is_some(),
-        reachability: if cfg.nat.assume_private {
-            Reachability::Private
-        } else {
-            Reachability::Unknown
-        },
+        reachability: cfg.nat.reachability.unwrap_or(Reachability::Unknown),
         nat: cfg.nat,
         reservations: Reservations::default(),
         logged: LogOnce::default(),
@@ -305,12 +301,19 @@ impl EventLoop {
                 warn!("cannot dial bootstrap peer {addr}: {e}");
             }
         }
-        if self.nat.assume_private {
-            info!(
-                "taking this daemon as private (not reachable from outside): relays will be used"
-            );
-            self.emit(NetEvent::Reachability(Reachability::Private))
-                .await;
+        match self.nat.reachability {
+            Some(Reachability::Private) => {
+                info!("taking this daemon as private (not reachable from outside): relays will be used");
+                self.emit(NetEvent::Reachability(Reachability::Private)).await;
+            }
+            Some(Reachability::Public) => {
+                info!("taking this daemon as publicly reachable at its listen addresses");
+                if let Some(relay) = self.swarm.behaviour_mut().relay.as_mut() {
+                    relay.set_status(Some(relay::Status::Enable));
+                }
+                self.emit(NetEvent::Reachability(Reachability::Public)).await;
+            }
+            _ => {}
         }
         let mut kad_tick = tokio::time::interval(Duration::from_secs(30));
         loop {
@@ -409,6 +412,14 @@ impl EventLoop {
         }
     }
 
+    /// Whether the operator fixed our reachability (AutoNAT's findings are then ignored).
+    fn assumed(&self) -> bool {
+        matches!(
+            self.nat.reachability,
+            Some(Reachability::Private | Reachability::Public)
+        )
+    }
+
     /// Reserves slots on relays while private, up to [`NatConfig::max_reservations`].
     fn reserve_relays(&mut self) {
         if self.reachability != Reachability::Private {
@@ -443,7 +454,7 @@ impl EventLoop {
             }
             autonat::v1::NatStatus::Unknown => Reachability::Unknown,
         };
-        if self.nat.assume_private || found == self.reachability {
+        if self.assumed() || found == self.reachability {
             return;
         }
         self.reachability = found;
@@ -549,6 +560,11 @@ impl EventLoop {
                     info!("reachable through a relay at {address}");
                 } else {
                     info!("listening on {address}");
+                    if self.nat.reachability == Some(Reachability::Public) {
+                        // The relay service hands its external addresses to the peers it
+                        // relays for: taken as public, our listen addresses are those.
+                        self.swarm.add_external_address(address.clone());
+                    }
                 }
                 self.emit(NetEvent::ListenAddr(address)).await;
             }

@@ -8,7 +8,7 @@
 //! - **Circuit relay v2, server side**: a daemon with a confirmed external address offers to
 //!   relay for others (unless `NetConfig::relay_service` is off), within [`RelayLimits`].
 //! - **Circuit relay v2, client side**: a daemon that is private (AutoNAT says so, or
-//!   [`NatConfig::assume_private`]) reserves a slot on up to [`NatConfig::max_reservations`]
+//!   [`NatConfig::reachability`] says so) reserves a slot on up to [`NatConfig::max_reservations`]
 //!   connected peers that advertise the relay hop protocol, by listening on
 //!   `<relay addr>/p2p/<relay>/p2p-circuit`. The relayed address is then reported as a
 //!   [`crate::NetEvent::ListenAddr`] like any other listen address, so the daemon announces it.
@@ -141,11 +141,12 @@ impl RelayLimits {
 /// NAT traversal settings. `NatConfig::default()` is what a daemon on the internet wants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NatConfig {
-    /// Take this daemon as not reachable from outside, whatever AutoNAT finds: report
-    /// [`Reachability::Private`] from the start and reserve relay slots as soon as a relay is
-    /// connected. For operators who know they are behind a NAT, and for tests on loopback,
-    /// where every dial-back succeeds. Default false.
-    pub assume_private: bool,
+    /// The reachability the operator knows, whatever AutoNAT finds (`None`, the default: let
+    /// AutoNAT find out). `Private`: reserve relay slots as soon as a relay is connected (for a
+    /// daemon behind a NAT, and for tests on loopback, where every dial-back succeeds).
+    /// `Public`: every listen address is an external address at once, and the relay service
+    /// (if on) starts without waiting for AutoNAT's probes. `Unknown` is taken as `None`.
+    pub reachability: Option<Reachability>,
     /// AutoNAT only trusts, and only serves, peers at global IP addresses (true, the default,
     /// on the internet). Set false in a private network or test namespaces (10.x, 192.168.x,
     /// 127.x), where otherwise no probe ever runs and reachability stays unknown.
@@ -166,7 +167,7 @@ pub struct NatConfig {
 impl Default for NatConfig {
     fn default() -> Self {
         Self {
-            assume_private: false,
+            reachability: None,
             autonat_only_global_ips: true,
             autonat_boot_delay: Duration::from_secs(15),
             autonat_retry_interval: Duration::from_secs(90),

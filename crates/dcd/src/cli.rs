@@ -100,10 +100,11 @@ pub struct JoinArgs {
     /// AutoNAT finds it publicly reachable).
     #[arg(long)]
     pub no_relay_service: bool,
-    /// Take this daemon as unreachable from outside (behind a NAT that AutoNAT cannot probe):
-    /// reserve slots on relays at once and announce the relayed addresses.
-    #[arg(long)]
-    pub assume_private: bool,
+    /// What this daemon's reachability is, when the operator knows: private (behind a NAT:
+    /// reserve slots on relays at once and announce the relayed addresses) or public (relay
+    /// for others at once); auto lets AutoNAT find out [default: auto].
+    #[arg(long, value_name = "auto|private|public")]
+    pub reachability: Option<String>,
     /// Do not hold the head weights (embeddings, final norm, output projection).
     #[arg(long)]
     pub no_head: bool,

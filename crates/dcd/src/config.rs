@@ -53,8 +53,8 @@ pub const KEYS: &[(&str, &str)] = &[
         "relay for peers behind NAT once this daemon is found publicly reachable",
     ),
     (
-        "assume_private",
-        "take this daemon as unreachable from outside: reserve relay slots at once",
+        "reachability",
+        "auto (AutoNAT finds out), private (behind NAT: use relays at once) or public",
     ),
     (
         "autonat_global_only",
@@ -186,8 +186,8 @@ pub struct Settings {
     pub swarm_key: Option<PathBuf>,
     /// Relay for peers behind NAT.
     pub relay_service: bool,
-    /// Take this daemon as unreachable from outside.
-    pub assume_private: bool,
+    /// Reachability the operator knows (`None`: AutoNAT finds out).
+    pub reachability: Option<dc_net::Reachability>,
     /// AutoNAT trusts and serves only global IP addresses.
     pub autonat_global_only: bool,
     /// Established connections at most.
@@ -236,7 +236,7 @@ impl Settings {
             mdns: d.mdns,
             swarm_key: None,
             relay_service: d.relay_service,
-            assume_private: d.nat.assume_private,
+            reachability: d.nat.reachability,
             autonat_global_only: d.nat.autonat_only_global_ips,
             max_connections: d.max_connections,
             max_connections_per_peer: d.max_connections_per_peer,
@@ -280,7 +280,10 @@ impl Settings {
             "mdns" => V::Boolean(self.mdns),
             "swarm_key" => V::String(self.swarm_key.as_ref()?.display().to_string()),
             "relay_service" => V::Boolean(self.relay_service),
-            "assume_private" => V::Boolean(self.assume_private),
+            "reachability" => V::String(match self.reachability {
+                Some(r) => r.to_string(),
+                None => "auto".into(),
+            }),
             "autonat_global_only" => V::Boolean(self.autonat_global_only),
             "max_connections" => V::Integer(i64::from(self.max_connections)),
             "max_connections_per_peer" => V::Integer(i64::from(self.max_connections_per_peer)),
@@ -344,7 +347,7 @@ impl Settings {
             }
         }
         cfg.relay_service = self.relay_service;
-        cfg.nat.assume_private = self.assume_private;
+        cfg.nat.reachability = self.reachability;
         cfg.nat.autonat_only_global_ips = self.autonat_global_only;
         cfg.max_connections = self.max_connections;
         cfg.max_connections_per_peer = self.max_connections_per_peer;
@@ -399,7 +402,14 @@ impl Settings {
             "mdns" => self.mdns = boolean(v)?,
             "swarm_key" => self.swarm_key = Some(PathBuf::from(nonempty(v)?)),
             "relay_service" => self.relay_service = boolean(v)?,
-            "assume_private" => self.assume_private = boolean(v)?,
+            "reachability" => {
+                self.reachability = match nonempty(v)?.trim().to_ascii_lowercase().as_str() {
+                    "auto" => None,
+                    "private" => Some(dc_net::Reachability::Private),
+                    "public" => Some(dc_net::Reachability::Public),
+                    other => return Err(format!("{other:?} is not auto, private or public")),
+                }
+            }
             "autonat_global_only" => self.autonat_global_only = boolean(v)?,
             "max_connections" => self.max_connections = integer(v, 1, 65536)? as u32,
             "max_connections_per_peer" => self.max_connections_per_peer = integer(v, 1, 64)? as u32,
@@ -471,8 +481,8 @@ pub fn flags(cli: &crate::cli::Cli) -> Flags {
     if a.no_relay_service {
         f.set("relay_service", "--no-relay-service", false);
     }
-    if a.assume_private {
-        f.set("assume_private", "--assume-private", true);
+    if let Some(r) = &a.reachability {
+        f.set("reachability", "--reachability", r.as_str());
     }
     if a.no_head {
         f.set("head", "--no-head", false);
