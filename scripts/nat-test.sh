@@ -13,6 +13,7 @@
 # prints whether h1 reached h2 directly or through the relay and the decode speed.
 #
 #   scripts/nat-test.sh [MODEL] [TOKENS]    (default: the llama fixture, 32 tokens)
+#   LAYERS=30 scripts/nat-test.sh ~/.local/share/dcd/models/smollm2-135m/*.gguf 64
 #
 # The last line is one JSON object with both phases. Only addresses inside the namespaces are
 # used, and everything is torn down at the end (also on failure).
@@ -72,9 +73,9 @@ block_direct() { # add|del: packets between the two homes' public addresses
 }
 
 # --- The daemons ----------------------------------------------------------------------------
-# A Hugging Face folder (its config.json gives the layer count).
-L=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" \
-    "$MODEL/config.json")
+# The layer count: LAYERS, or a Hugging Face folder's config.json (a GGUF file needs LAYERS).
+L=${LAYERS:-$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" \
+    "$MODEL/config.json")}
 H=$((L / 2))
 start() { # ns name layers extra...
     local n=$1 name=$2 layers=$3

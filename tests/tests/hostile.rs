@@ -605,3 +605,135 @@ async fn a_head_streaming_more_than_was_asked_is_cut_off() {
         "{cut_off}"
     );
 }
+
+/// A hop starting a new generation over `layers` of the llama fixture (hidden 64).
+fn first_hop(model: ModelId, g: GenerationId, layers: &str) -> StageRequest {
+    StageRequest::Hop(HopRequest {
+        model_id: model,
+        generation: g,
+        step: 0,
+        layers: layers.parse().unwrap(),
+        activations: WireActivations {
+            start: 0,
+            hidden: 64,
+            data: vec![0.25; 64],
+        },
+    })
+}
+
+/// A peer that starts generations at a stage and never finishes them cannot lock honest heads
+/// out (the stage drops the hoarder's idle caches beyond its fair share), and a flood of
+/// reveal and cache-row requests is answered a few at a time while the stage goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hoarding_stage_caches_or_flooding_reveals_does_not_lock_others_out() {
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let head = Daemon::start(dir.path(), "head", &model, &["--layers", "0..2"]);
+    let stage = Daemon::start(
+        dir.path(),
+        "stage",
+        &model,
+        &[
+            "--layers",
+            "2..4",
+            "--no-head",
+            "--max-generations",
+            "4",
+            "--bootstrap",
+            &head.addr,
+        ],
+    );
+    wait_until("the two to see each other", Duration::from_secs(30), || {
+        head.sees_serving(1) && stage.sees_serving(1)
+    });
+    let (model_id, _, client, _events) = intrude(&stage).await;
+    let victim: libp2p::PeerId = stage.peer_id.parse().unwrap();
+
+    // The intruder takes every slot and never ends a generation.
+    let hoarded: Vec<GenerationId> = (0..4).map(|_| GenerationId::new_random()).collect();
+    for g in &hoarded {
+        match client
+            .stage_request(victim, first_hop(model_id, *g, "2..4"))
+            .await
+        {
+            Ok(StageResponse::Hop(h)) => {
+                assert!(matches!(*h, HopResponse::Done { .. }), "{h:?}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let (kind, msg) = refused(
+        client
+            .stage_request(
+                victim,
+                first_hop(model_id, GenerationId::new_random(), "2..4"),
+            )
+            .await,
+    );
+    assert_eq!(kind, HopErrorKind::Overloaded, "{msg}");
+
+    // A flood of reveals and cache rows, all at once.
+    let mut flood = Vec::new();
+    for i in 0..48u32 {
+        let c = client.clone();
+        let g = hoarded[i as usize % hoarded.len()];
+        let req = if i % 2 == 0 {
+            StageRequest::CacheRows(CacheRowsRequest {
+                generation: g,
+                from: 0,
+                end: 1,
+            })
+        } else {
+            StageRequest::Reveal(RevealRequest {
+                generation: g,
+                step: 0,
+                picks: vec![RevealPick {
+                    layer: 2,
+                    position: 0,
+                    positions: 1,
+                    cache_from: 0,
+                    checks: CheckSet(u16::MAX),
+                }],
+            })
+        };
+        flood.push(tokio::spawn(
+            async move { c.stage_request(victim, req).await },
+        ));
+    }
+    for f in flood {
+        let answer = f.await.unwrap();
+        assert!(
+            matches!(
+                answer,
+                Ok(StageResponse::CacheRows(_)) | Ok(StageResponse::Reveal(_))
+            ),
+            "{answer:?}"
+        );
+    }
+    let peak = stage.status()["reveals_peak"].as_u64().unwrap();
+    assert!((1..=4).contains(&peak), "{peak} reveals at once");
+
+    // An honest generation through the full stage: the hoarder's oldest idle cache makes room.
+    let args = [
+        "--prompt-ids",
+        "1,2,3,4",
+        "--max-new-tokens",
+        "5",
+        "--seed",
+        "2",
+        "--temperature",
+        "0.7",
+    ];
+    let mut swarm_args = vec!["--api", head.api.as_str()];
+    swarm_args.extend_from_slice(&args);
+    let swarm = generate_json(&swarm_args);
+    let mut local_args = vec!["--model", model.to_str().unwrap(), "--local"];
+    local_args.extend_from_slice(&args);
+    assert_eq!(swarm["tokens"], generate_json(&local_args)["tokens"]);
+    assert!(swarm["routes"].to_string().contains(&stage.peer_id));
+    assert!(
+        stage.log_text().contains("more than its share"),
+        "{}",
+        stage.log_text()
+    );
+}

@@ -304,14 +304,16 @@ impl EventLoop {
         match self.nat.reachability {
             Some(Reachability::Private) => {
                 info!("taking this daemon as private (not reachable from outside): relays will be used");
-                self.emit(NetEvent::Reachability(Reachability::Private)).await;
+                self.emit(NetEvent::Reachability(Reachability::Private))
+                    .await;
             }
             Some(Reachability::Public) => {
                 info!("taking this daemon as publicly reachable at its listen addresses");
                 if let Some(relay) = self.swarm.behaviour_mut().relay.as_mut() {
                     relay.set_status(Some(relay::Status::Enable));
                 }
-                self.emit(NetEvent::Reachability(Reachability::Public)).await;
+                self.emit(NetEvent::Reachability(Reachability::Public))
+                    .await;
             }
             _ => {}
         }

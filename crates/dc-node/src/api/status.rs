@@ -91,6 +91,7 @@ pub fn status(d: &Daemon, connections: &[ConnectionInfo]) -> Value {
             "max": node.cfg.max_generations,
             "requests": node.stats.requests.load(Ordering::Relaxed),
         },
+    "reveals_peak": d.stage.reveals_peak(),
         "hops_served": node.stats.hops.load(Ordering::Relaxed),
         "positions_served": node.stats.positions.load(Ordering::Relaxed),
         "audit_positions_replayed": node.stats.audit_positions.load(Ordering::Relaxed),

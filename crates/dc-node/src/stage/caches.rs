@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use dc_model::{CacheLog, KeptHop, KvCache};
 use dc_types::{Commitment, GenerationId, HopErrorKind, HopRecord, LayerRange, MAX_REVEAL_HOPS};
+use tracing::warn;
 
 /// Hops kept per generation for reveals: a head asks about up to [`MAX_REVEAL_HOPS`] of a
 /// stage's hops at once, right after the last of them, so one more suffices even when the next
@@ -108,7 +109,7 @@ impl StageCaches {
                 ));
             }
             self.entries.remove(&g);
-            if self.entries.len() >= max {
+            if self.entries.len() >= max && !self.make_room_for(owner, max) {
                 return Err((
                     HopErrorKind::Overloaded,
                     format!("already serving {max} generations"),
@@ -151,6 +152,46 @@ impl StageCaches {
             ));
         }
         Ok(cache)
+    }
+
+    /// Full, and `owner` asks for one more generation: frees a slot if another peer holds more
+    /// than its fair share (the slots split evenly among the peers holding them, `owner`
+    /// included), by dropping that peer's longest-idle cache that no hop is using. So one
+    /// peer that starts generations and never finishes them cannot lock the others out, and a
+    /// lone head still gets every slot while nobody else needs one. Returns whether a slot
+    /// was freed; `owner` at or over its own share is refused.
+    fn make_room_for(&mut self, owner: &str, max: usize) -> bool {
+        let mut held: HashMap<&str, usize> = HashMap::new();
+        for e in self.entries.values() {
+            *held.entry(e.owner.as_str()).or_default() += 1;
+        }
+        let owners = held.len() + usize::from(!held.contains_key(owner));
+        let share = max.div_ceil(owners).max(1);
+        if held.get(owner).copied().unwrap_or(0) >= share {
+            return false;
+        }
+        let Some((&hog, _)) = held
+            .iter()
+            .filter(|(o, n)| **o != owner && **n > share)
+            .max_by_key(|(o, n)| (**n, std::cmp::Reverse(**o)))
+        else {
+            return false;
+        };
+        let hog = hog.to_string();
+        let victim = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.owner == hog && e.cache.is_some())
+            .min_by_key(|(g, e)| (e.last_used, g.0))
+            .map(|(g, _)| *g);
+        match victim {
+            Some(g) => {
+                warn!("dropping generation {g} of {hog}, which holds more than its share of {share} stage caches");
+                self.entries.remove(&g);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Keeps hop `step` of `g` for reveals, dropping its older hops beyond [`KEPT_HOPS`]; not
@@ -263,5 +304,51 @@ mod tests {
         assert_eq!(caches.chain(&g), HopRecord::FIRST);
         caches.put(g, Some(cache));
         assert!(caches.end(&g, "head") && caches.is_empty());
+    }
+
+    #[test]
+    fn a_peer_hoarding_generations_makes_room_for_others_but_a_lone_head_gets_every_slot() {
+        let cfg = config();
+        let layers = LayerRange::new(0, 2).unwrap();
+        let mut caches = StageCaches::default();
+        let id = |n: u8| GenerationId([n; 16]);
+        // A lone peer gets every slot.
+        for n in 0..4 {
+            let c = caches.take(id(n), "hoarder", layers, 0, &cfg, 4).unwrap();
+            caches.put(id(n), Some(c));
+        }
+        let (kind, _) = caches
+            .take(id(9), "hoarder", layers, 0, &cfg, 4)
+            .unwrap_err();
+        assert_eq!(kind, HopErrorKind::Overloaded);
+        // Another peer gets a slot: the hoarder's longest-idle cache goes.
+        let c = caches.take(id(10), "head", layers, 0, &cfg, 4).unwrap();
+        caches.put(id(10), Some(c));
+        assert_eq!(caches.len(), 4);
+        assert!(
+            caches.log(&id(0), "hoarder").is_none(),
+            "the oldest was dropped"
+        );
+        assert!(caches.log(&id(1), "hoarder").is_some());
+        // And a second one: the hoarder still holds 3 > its share of 2.
+        let c = caches.take(id(11), "head", layers, 0, &cfg, 4).unwrap();
+        caches.put(id(11), Some(c));
+        // Now both hold their share: neither takes the other's.
+        assert_eq!(
+            caches
+                .take(id(12), "head", layers, 0, &cfg, 4)
+                .unwrap_err()
+                .0,
+            HopErrorKind::Overloaded
+        );
+        // A cache in use by a hop is never dropped.
+        let mut busy = StageCaches::default();
+        for n in 0..4 {
+            busy.take(id(n), "hoarder", layers, 0, &cfg, 4).unwrap();
+        }
+        assert_eq!(
+            busy.take(id(10), "head", layers, 0, &cfg, 4).unwrap_err().0,
+            HopErrorKind::Overloaded
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! Reveals: rows of the hops this stage kept, and its committed KV cache rows, for the head
 //! that started the generation (spot checks and audits from cache rows), each answer bounded
-//! by half the message limit before anything is assembled.
+//! by half the message limit before anything is assembled, and at most
+//! [`super::server::REVEALS_AT_ONCE`] assembled at once.
 
 use dc_types::{
     CacheRowsRequest, LayerReveal, RevealRequest, MAX_REVEAL_HOPS, MAX_REVEAL_PICKS,
@@ -17,6 +18,7 @@ impl Stage {
         req: RevealRequest,
         from: &str,
     ) -> Result<Vec<LayerReveal>, String> {
+        let _slot = self.reveal_slot().await?;
         let limit = self.node.cfg.max_message_bytes / 2;
         self.reveal_within(req, from, limit).await.map(|(r, _)| r)
     }
@@ -34,6 +36,7 @@ impl Stage {
                 reqs.len()
             ));
         }
+        let _slot = self.reveal_slot().await?;
         let mut left = self.node.cfg.max_message_bytes / 2;
         let mut out = Vec::with_capacity(reqs.len());
         for req in reqs {
@@ -114,6 +117,7 @@ impl Stage {
         req: CacheRowsRequest,
         from: &str,
     ) -> Result<Vec<Vec<u8>>, String> {
+        let _slot = self.reveal_slot().await?;
         if !self.runner.reveals() {
             return Err("not revealing anything (fault: hide)".into());
         }

@@ -13,6 +13,9 @@ use super::caches::StageCaches;
 use super::runner::HopRunner;
 use crate::core::Node;
 
+/// Reveals and cache-row answers assembled at once; more wait their turn.
+pub const REVEALS_AT_ONCE: usize = 4;
+
 /// The stage this daemon serves.
 #[derive(Debug)]
 pub struct Stage {
@@ -21,6 +24,11 @@ pub struct Stage {
     caches: Mutex<StageCaches>,
     /// Bounds the hops (and audit replays) computing at once.
     pub(super) compute: Arc<Semaphore>,
+    /// Bounds the reveals and cache-row answers assembled at once (their own slots, so a
+    /// flood of them neither starves the hops nor waits behind them); the rest wait in turn.
+    pub(super) reveal_slots: Arc<Semaphore>,
+    /// The most reveals assembled at once so far (status, and the test of the bound).
+    pub(super) reveals_peak: std::sync::atomic::AtomicUsize,
     /// Computes the hops.
     pub(super) runner: Arc<dyn HopRunner>,
 }
@@ -33,6 +41,8 @@ impl Stage {
             node,
             caches: Mutex::new(StageCaches::default()),
             compute,
+            reveal_slots: Arc::new(Semaphore::new(REVEALS_AT_ONCE)),
+            reveals_peak: std::sync::atomic::AtomicUsize::new(0),
             runner,
         }
     }
@@ -63,6 +73,24 @@ impl Stage {
     /// Bytes held by the caches not in use.
     pub fn cache_bytes(&self) -> usize {
         self.caches(|c| c.bytes())
+    }
+
+    /// Waits for a reveal slot (see [`Stage::reveal_slots`]) and notes the peak in use.
+    pub(super) async fn reveal_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
+        let permit = self
+            .reveal_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| "the stage is shutting down".to_string())?;
+        let in_use = REVEALS_AT_ONCE - self.reveal_slots.available_permits();
+        self.reveals_peak.fetch_max(in_use, Ordering::Relaxed);
+        Ok(permit)
+    }
+
+    /// The most reveals assembled at once so far.
+    pub fn reveals_peak(&self) -> usize {
+        self.reveals_peak.load(Ordering::Relaxed)
     }
 
     /// The throughput to announce for the measured one.
