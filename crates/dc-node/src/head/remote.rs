@@ -90,15 +90,51 @@ pub async fn start_generation(
     d: Daemon,
     req: GenerationRequest,
 ) -> Result<mpsc::Receiver<GenerationEvent>, String> {
-    let head = elect(&d, &req, &[]).ok_or("no healthy peer holds the head weights")?;
     let (tx, rx) = mpsc::channel(EVENT_QUEUE);
-    if head == d.node.local {
-        tokio::spawn(run_as_head(d, req, tx));
-        return Ok(rx);
+    // An elected head that cannot be reached (it died and the view does not know yet) is
+    // passed over like one that stops answering later.
+    let mut failed = Vec::new();
+    match next_head(&d, &req, &mut failed).await? {
+        None => {
+            tokio::spawn(run_as_head(d, req, tx));
+        }
+        Some((head, stream)) => {
+            tokio::spawn(relay(d, req, head, stream, tx, failed));
+        }
     }
-    let stream = open(&d, &head, &req).await?;
-    tokio::spawn(relay(d, req, head, stream, tx));
     Ok(rx)
+}
+
+/// The next head of `req` that answers, leaving out the `failed` ones (and adding those that
+/// cannot be reached now): `None` when it is ourselves, else the head and the stream to it
+/// with the request sent. At most [`MAX_HEAD_FAILOVERS`] heads are passed over.
+async fn next_head(
+    d: &Daemon,
+    req: &GenerationRequest,
+    failed: &mut Vec<String>,
+) -> Result<Option<(String, libp2p::Stream)>, String> {
+    loop {
+        if failed.len() > MAX_HEAD_FAILOVERS {
+            return Err(format!("gave up after {} heads", failed.len()));
+        }
+        let Some(next) = elect(d, req, failed) else {
+            return Err(if failed.is_empty() {
+                "no healthy peer holds the head weights".into()
+            } else {
+                "no other healthy peer holds the head weights".into()
+            });
+        };
+        if next == d.node.local {
+            return Ok(None);
+        }
+        match open(d, &next, req).await {
+            Ok(s) => return Ok(Some((next, s))),
+            Err(e) => {
+                warn!("generation {}: {e}", req.generation);
+                failed.push(next);
+            }
+        }
+    }
 }
 
 /// The head of `req` among the healthy peers with the head weights, leaving out `failed` ones.
@@ -145,10 +181,10 @@ async fn relay(
     mut head: String,
     mut stream: libp2p::Stream,
     tx: mpsc::Sender<GenerationEvent>,
+    mut failed: Vec<String>,
 ) {
     let mut bounds = EventBounds::new(req.max_new_tokens);
     let mut held: Vec<u32> = Vec::new();
-    let mut failed: Vec<String> = Vec::new();
     loop {
         let why = match follow(&d, &head, &mut stream, &mut bounds, &mut held, &tx).await {
             Followed::Ended => return,
@@ -156,24 +192,7 @@ async fn relay(
         };
         failed.push(head.clone());
         req.resume = held.clone();
-        let next = loop {
-            if failed.len() > MAX_HEAD_FAILOVERS {
-                break Err(format!("gave up after {} heads", failed.len()));
-            }
-            let Some(next) = elect(&d, &req, &failed) else {
-                break Err("no other healthy peer holds the head weights".into());
-            };
-            if next == d.node.local {
-                break Ok(None);
-            }
-            match open(&d, &next, &req).await {
-                Ok(s) => break Ok(Some((next, s))),
-                Err(e) => {
-                    warn!("generation {}: {e}", req.generation);
-                    failed.push(next);
-                }
-            }
-        };
+        let next = next_head(&d, &req, &mut failed).await;
         let taker = match &next {
             Ok(Some((p, _))) => p.clone(),
             Ok(None) => d.node.local.clone(),
