@@ -46,7 +46,9 @@ pub fn gemm(global: &Global, args: &BenchGemmArgs) -> Result<ExitCode> {
         );
     }
     let time = Duration::from_secs_f64(args.seconds);
-    let max_threads = global.threads.unwrap_or_else(super::default_threads);
+    let max_threads = global
+        .threads
+        .unwrap_or_else(crate::config::default_threads);
     let mut thread_counts = args
         .thread_counts
         .clone()

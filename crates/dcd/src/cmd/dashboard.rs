@@ -22,7 +22,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Cell, Paragraph, Row, Table, Widget};
 use serde_json::Value;
 
-use super::swarm::fetch_status_as;
+use super::client::fetch_status_as;
 
 /// How often the dashboard asks the daemon.
 const REFRESH: Duration = Duration::from_secs(1);

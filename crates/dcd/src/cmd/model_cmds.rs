@@ -17,13 +17,10 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 
-use super::{engine, load_model, model_path};
+use super::local::{engine, load_model, model_path};
 use crate::cli::{BenchModelArgs, GenerateArgs, Global, LogitsArgs, PerplexityArgs, TokenizeArgs};
 
 pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
-    if let Some(api) = &a.api {
-        return super::swarm::generate_api(a, api);
-    }
     let gemm = engine(global)?;
     let model = a.model.clone().context("give --model (or --api)")?;
     let l = load_model(&crate::cli::ModelArg { model })?;
@@ -498,7 +495,9 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
     let kernel = Kernel::parse(&global.kernel)?;
     let path = model_path(&a.model)?;
     let model = dc_model::Model::load(&path, &Default::default())?;
-    let max_threads = global.threads.unwrap_or_else(super::default_threads);
+    let max_threads = global
+        .threads
+        .unwrap_or_else(crate::config::default_threads);
     let mut counts = a
         .thread_counts
         .clone()

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::client;
 use crate::cli::{GenerateArgs, Global, StatusArgs};
 use crate::config::Resolved;
 
@@ -54,45 +55,6 @@ pub fn join(global: &Global, r: &Resolved) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn agent(timeout: Option<Duration>) -> ureq::Agent {
-    ureq::config::Config::builder()
-        .http_status_as_error(false)
-        .timeout_global(timeout)
-        .build()
-        .new_agent()
-}
-
-fn api_url(base: &str, path: &str) -> String {
-    format!("{}{path}", base.trim_end_matches('/'))
-}
-
-fn with_token<B>(req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
-    match std::env::var("DCD_API_TOKEN") {
-        Ok(t) if !t.is_empty() => req.header("Authorization", &format!("Bearer {t}")),
-        _ => req,
-    }
-}
-
-/// GETs the status document with `token` (if any), waiting at most `timeout`.
-pub fn fetch_status_as(api: &str, token: Option<&str>, timeout: Duration) -> Result<Value> {
-    let url = api_url(api, "/status");
-    let mut req = agent(Some(timeout)).get(&url);
-    if let Some(t) = token.filter(|t| !t.is_empty()) {
-        req = req.header("Authorization", &format!("Bearer {t}"));
-    }
-    let mut resp = req.call().with_context(|| {
-        format!("no daemon answers at {api}; start one with `dcd join --model <model>`")
-    })?;
-    let text = resp
-        .body_mut()
-        .read_to_string()
-        .context("reading the status")?;
-    if !resp.status().is_success() {
-        bail!("{url}: {} {text}", resp.status());
-    }
-    serde_json::from_str(&text).context("the status is not JSON")
-}
-
 pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
     let api = match &a.api {
         Some(u) if u.contains("://") => u.clone(),
@@ -100,7 +62,7 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
         None => crate::config::api_url(r.settings.api),
     };
     let token = r.settings.api_token.as_deref();
-    let s = fetch_status_as(&api, token, Duration::from_secs(10))?;
+    let s = client::fetch_status_as(&api, token, Duration::from_secs(10))?;
     if a.json {
         println!("{s}");
         return Ok(ExitCode::SUCCESS);
@@ -134,9 +96,9 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
     if let Some(r) = a.audit_rate {
         body["audit_rate"] = json!(r);
     }
-    let url = api_url(api, "/generate");
-    let resp = with_token(
-        agent(None)
+    let url = client::url(api, "/generate");
+    let resp = client::with_token(
+        client::agent(None)
             .post(&url)
             .header("Content-Type", "application/json"),
     )
@@ -248,7 +210,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
         .with_context(|| format!("reading {}", a.file.display()))?;
     let proof: dc_types::FraudProof = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a fraud proof", a.file.display()))?;
-    let path = super::model_path(&crate::cli::ModelArg {
+    let path = super::local::model_path(&crate::cli::ModelArg {
         model: a.model.clone(),
     })?;
     let data = dc_model::store::data_dir()?;
@@ -270,7 +232,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
         ),
         None => None,
     };
-    let gemm = super::engine(global)?;
+    let gemm = super::local::engine(global)?;
     let verdict =
         dc_node::check::proof::verify_proof(&proof, model_id, &cfg, model.as_ref(), &gemm);
     let id = dc_node::check::proof::proof_id(&proof);
