@@ -2,6 +2,7 @@
 //! `/status` document. It only speaks HTTP and JSON; what a command prints is the command's
 //! business, so this module imports no other command module.
 
+use std::io::{BufRead, BufReader, Read};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -48,4 +49,30 @@ pub fn fetch_status_as(api: &str, token: Option<&str>, timeout: Duration) -> Res
         bail!("{url}: {} {text}", resp.status());
     }
     serde_json::from_str(&text).context("the status is not JSON")
+}
+
+/// POSTs the JSON `body` to `path` and hands back the answer's stream of lines. No timeout:
+/// a generation streams for as long as it runs. An error status becomes an error carrying
+/// the daemon's own message when its body has one.
+pub fn post_stream(api: &str, path: &str, body: &Value) -> Result<impl BufRead> {
+    let url = url(api, path);
+    let resp = with_token(
+        agent(None)
+            .post(&url)
+            .header("Content-Type", "application/json"),
+    )
+    .send(body.to_string())
+    .with_context(|| format!("no daemon answers at {api}"))?;
+    let status = resp.status();
+    let mut reader = BufReader::new(resp.into_body().into_reader());
+    if !status.is_success() {
+        let mut text = String::new();
+        reader.read_to_string(&mut text)?;
+        let msg = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or(text);
+        bail!("{url}: {status}: {msg}");
+    }
+    Ok(reader)
 }

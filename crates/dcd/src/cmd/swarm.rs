@@ -1,7 +1,7 @@
 //! Commands that talk to the swarm: `join` runs the daemon, `status` reads a daemon's status,
 //! `generate --api` generates through a daemon's control API.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -72,6 +72,60 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
 }
 
 pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
+    let mut events = client::post_stream(api, "/generate", &generate_body(a)?)?;
+    let mut stdout = std::io::stdout().lock();
+    let mut seen = Transcript {
+        prompt_ids: a
+            .prompt_ids
+            .clone()
+            .map(|v| json!(v))
+            .unwrap_or(Value::Null),
+        corrections: Vec::new(),
+        routes: Vec::new(),
+    };
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if events.read_line(&mut line)? == 0 {
+            bail!("the daemon closed the stream before the generation finished");
+        }
+        let ev: Value =
+            serde_json::from_str(line.trim()).with_context(|| format!("bad event {line:?}"))?;
+        match ev["event"].as_str() {
+            Some("started") => seen.started(&ev, a.json),
+            Some("token") if !a.json => {
+                match ev["text"].as_str() {
+                    Some(t) => write!(stdout, "{t}")?,
+                    None => write!(stdout, "{} ", ev["id"])?,
+                }
+                stdout.flush()?;
+            }
+            Some("token") => {}
+            Some("corrected") => {
+                if !a.json {
+                    print_correction(&mut stdout, &ev)?;
+                }
+                seen.corrections.push(ev.clone());
+            }
+            Some("done") => {
+                if a.json {
+                    writeln!(stdout, "{}", seen.done_json(&ev))?;
+                } else {
+                    writeln!(stdout)?;
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            Some("error") => bail!(
+                "generation failed: {}",
+                ev["message"].as_str().unwrap_or("?")
+            ),
+            _ => bail!("unexpected event {line:?}"),
+        }
+    }
+}
+
+/// The `/generate` request body for `generate --api`'s arguments.
+fn generate_body(a: &GenerateArgs) -> Result<Value> {
     let mut body = json!({
         "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature,
@@ -96,112 +150,75 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
     if let Some(r) = a.audit_rate {
         body["audit_rate"] = json!(r);
     }
-    let url = client::url(api, "/generate");
-    let resp = client::with_token(
-        client::agent(None)
-            .post(&url)
-            .header("Content-Type", "application/json"),
-    )
-    .send(body.to_string())
-    .with_context(|| format!("no daemon answers at {api}"))?;
-    let status = resp.status();
-    let mut reader = BufReader::new(resp.into_body().into_reader());
-    if !status.is_success() {
-        let mut text = String::new();
-        reader.read_to_string(&mut text)?;
-        let msg = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-            .unwrap_or(text);
-        bail!("{url}: {status}: {msg}");
-    }
-    let mut stdout = std::io::stdout().lock();
-    let mut prompt_ids = a
-        .prompt_ids
-        .clone()
-        .map(|v| json!(v))
-        .unwrap_or(Value::Null);
-    let mut corrections: Vec<Value> = Vec::new();
-    // Every route the head tried: more than one when it recomputed without a peer.
-    let mut routes: Vec<Value> = Vec::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if reader.read_line(&mut line)? == 0 {
-            bail!("the daemon closed the stream before the generation finished");
+    Ok(body)
+}
+
+/// What a `generate --api` stream told us before `done`, for the `--json` answer.
+struct Transcript {
+    prompt_ids: Value,
+    corrections: Vec<Value>,
+    /// Every route the head tried: more than one when it recomputed without a peer.
+    routes: Vec<Value>,
+}
+
+impl Transcript {
+    /// A `started` event: the head's prompt ids and route (announced on stderr when it is
+    /// not the first, unless the answer is `--json`).
+    fn started(&mut self, ev: &Value, json: bool) {
+        if let Some(p) = ev.get("prompt_ids") {
+            self.prompt_ids = p.clone();
         }
-        let ev: Value =
-            serde_json::from_str(line.trim()).with_context(|| format!("bad event {line:?}"))?;
-        match ev["event"].as_str() {
-            Some("started") => {
-                if let Some(p) = ev.get("prompt_ids") {
-                    prompt_ids = p.clone();
-                }
-                routes.push(ev["route"].clone());
-                // A later route: the head went on without a peer it could not use (handing its
-                // layers to another, or recomputing the generation) or without a proven liar;
-                // tokens already sent come again only if they change.
-                if routes.len() > 1 && !a.json {
-                    let hops: Vec<String> = ev["route"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .map(|h| {
-                            let (layers, peer) = (h["layers"].as_str(), h["peer"].as_str());
-                            format!("{}@{}", layers.unwrap_or("?"), peer.unwrap_or("?"))
-                        })
-                        .collect();
-                    eprintln!("[the route changed: {}]", hops.join(" → "));
-                }
-            }
-            Some("token") if !a.json => {
-                match ev["text"].as_str() {
-                    Some(t) => write!(stdout, "{t}")?,
-                    None => write!(stdout, "{} ", ev["id"])?,
-                }
-                stdout.flush()?;
-            }
-            Some("token") => {}
-            Some("corrected") => {
-                if !a.json {
-                    writeln!(stdout)?;
-                    writeln!(
-                        stdout,
-                        "[peer {} was proven to lie; corrected from token {}:]",
-                        ev["liar"].as_str().unwrap_or("?"),
-                        ev["from"]
-                    )?;
-                    match ev["text"].as_str() {
-                        Some(t) => write!(stdout, "{t}")?,
-                        None => write!(stdout, "{}", ev["tokens"])?,
-                    }
-                }
-                corrections.push(ev.clone());
-            }
-            Some("done") => {
-                if a.json {
-                    let out = json!({
-                        "prompt_ids": prompt_ids,
-                        "tokens": ev["tokens"],
-                        "text": ev["text"],
-                        "stop": ev["stop"],
-                        "final_logits": ev["final_logits"],
-                        "corrections": corrections,
-                        "routes": routes,
-                    });
-                    writeln!(stdout, "{out}")?;
-                } else {
-                    writeln!(stdout)?;
-                }
-                return Ok(ExitCode::SUCCESS);
-            }
-            Some("error") => bail!(
-                "generation failed: {}",
-                ev["message"].as_str().unwrap_or("?")
-            ),
-            _ => bail!("unexpected event {line:?}"),
+        self.routes.push(ev["route"].clone());
+        // A later route: the head went on without a peer it could not use (handing its
+        // layers to another, or recomputing the generation) or without a proven liar;
+        // tokens already sent come again only if they change.
+        if self.routes.len() > 1 && !json {
+            eprintln!("[the route changed: {}]", route_text(&ev["route"]));
         }
     }
+
+    /// The `--json` answer once the `done` event `ev` came.
+    fn done_json(&self, ev: &Value) -> Value {
+        json!({
+            "prompt_ids": self.prompt_ids,
+            "tokens": ev["tokens"],
+            "text": ev["text"],
+            "stop": ev["stop"],
+            "final_logits": ev["final_logits"],
+            "corrections": self.corrections,
+            "routes": self.routes,
+        })
+    }
+}
+
+/// A route as "layers@peer → layers@peer".
+fn route_text(route: &Value) -> String {
+    let hops: Vec<String> = route
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| {
+            let (layers, peer) = (h["layers"].as_str(), h["peer"].as_str());
+            format!("{}@{}", layers.unwrap_or("?"), peer.unwrap_or("?"))
+        })
+        .collect();
+    hops.join(" → ")
+}
+
+/// A `corrected` event as text: who was proven to lie, then the corrected tokens.
+fn print_correction(out: &mut impl Write, ev: &Value) -> Result<()> {
+    writeln!(out)?;
+    writeln!(
+        out,
+        "[peer {} was proven to lie; corrected from token {}:]",
+        ev["liar"].as_str().unwrap_or("?"),
+        ev["from"]
+    )?;
+    match ev["text"].as_str() {
+        Some(t) => write!(out, "{t}")?,
+        None => write!(out, "{}", ev["tokens"])?,
+    }
+    Ok(())
 }
 
 pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<ExitCode> {
