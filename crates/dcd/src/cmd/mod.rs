@@ -4,6 +4,7 @@
 //! `crate::config`; nothing below imports from above.
 
 mod bench;
+mod bench_model;
 mod client;
 mod config_cmd;
 mod dashboard;
@@ -27,7 +28,7 @@ pub fn run(mut cli: Cli) -> Result<ExitCode> {
     match &cli.command {
         Command::Selftest(a) => selftest::run(g, a),
         Command::Bench(BenchCommand::Gemm(a)) => bench::gemm(g, a),
-        Command::Bench(BenchCommand::Model(a)) => model_cmds::bench_model(g, a),
+        Command::Bench(BenchCommand::Model(a)) => bench_model::bench_model(g, a),
         // Through a daemon's control API when `--api` is given, else in this process.
         Command::Generate(a) => match &a.api {
             Some(api) => swarm::generate_api(a, api),
