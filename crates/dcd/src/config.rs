@@ -318,7 +318,7 @@ impl Settings {
         cfg.api_token = self.api_token.clone();
         cfg.max_memory = self.max_memory;
         cfg.kernel = Kernel::parse(&self.kernel).map_err(|e| format!("kernel: {e}"))?;
-        cfg.threads = self.threads.unwrap_or_else(crate::cmd::default_threads);
+        cfg.threads = self.threads.unwrap_or_else(default_threads);
         cfg.max_generations = self.max_generations;
         cfg.announce_every = Duration::from_secs_f64(self.announce_secs);
         // A peer is gone after five missed announcements; an auto daemon listens for one
@@ -706,6 +706,12 @@ pub fn load(explicit: Option<&Path>, flags: &Flags) -> anyhow::Result<Resolved> 
         r.default_file = default_file();
     }
     Ok(r)
+}
+
+/// The default for `threads`: every core available to us (the one default not taken from
+/// `NodeConfig::new`, because the commands that run in this process need it too).
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// The control API URL a client uses to reach a daemon bound to `addr` (an unspecified bind

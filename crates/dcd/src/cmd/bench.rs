@@ -46,16 +46,7 @@ pub fn gemm(global: &Global, args: &BenchGemmArgs) -> Result<ExitCode> {
         );
     }
     let time = Duration::from_secs_f64(args.seconds);
-    let max_threads = global.threads.unwrap_or_else(super::default_threads);
-    let mut thread_counts = args
-        .thread_counts
-        .clone()
-        .unwrap_or_else(|| vec![1, max_threads]);
-    thread_counts.sort_unstable();
-    thread_counts.dedup();
-    if thread_counts.iter().any(|&t| t == 0 || t > 1024) {
-        bail!("--thread-counts must be 1 to 1024");
-    }
+    let thread_counts = thread_counts(global, args)?;
     let kernels: Vec<Kernel> = match &args.kernels {
         Some(names) => names
             .iter()
@@ -74,66 +65,19 @@ pub fn gemm(global: &Global, args: &BenchGemmArgs) -> Result<ExitCode> {
             eprintln!("{s}");
         }
     };
-    let mut peak = BTreeMap::new();
-    let mut bandwidth = BTreeMap::new();
-    for &t in &thread_counts {
-        let p = int8_peak_gops(t, time).unwrap_or(f64::NAN);
-        let b = read_bandwidth_gbs(t, COLD_BYTES, time);
-        log(format!(
-            "threads {t}: int8 peak {p:.1} GOPS, read bandwidth {b:.1} GB/s"
-        ));
-        peak.insert(t, p);
-        bandwidth.insert(t, b);
-    }
+    let (peak, bandwidth) = machine(&thread_counts, time, &log);
 
     let mut results = Vec::new();
     for &kernel in &kernels {
         for &t in &thread_counts {
             let g = Gemm::new(kernel, t)?;
-            for &(m, k, n) in &shapes {
+            let against = (peak[&t], bandwidth[&t]);
+            for &shape in &shapes {
                 // The scalar reference is ~100× slower; by default only time it on decode.
-                if kernel == Kernel::Scalar && !explicit_kernels && m > 1 {
+                if kernel == Kernel::Scalar && !explicit_kernels && shape.0 > 1 {
                     continue;
                 }
-                let r = time_gemm(&g, m, k, n, if m == 1 { COLD_BYTES } else { 0 }, time)?;
-                let frac_peak = r.gops() / peak[&t];
-                let frac_bw = r.weight_gbs() / bandwidth[&t];
-                log(format!(
-                    "{:<7} threads {t}  {m:>4}×{k:>5}×{n:>6}  {:>8.1} GOPS  {:>6.1} GB/s  {:>5.1}% of peak  {:>5.1}% of bandwidth  (quantising x: {:.3} ms)",
-                    kernel.name(),
-                    r.gops(),
-                    r.weight_gbs(),
-                    100.0 * frac_peak,
-                    100.0 * frac_bw,
-                    r.quantise_seconds * 1e3,
-                ));
-                let mut row = json!({
-                    "kernel": kernel.name(), "threads": t, "m": m, "k": k, "n": n,
-                    "gops": r.gops(), "seconds": r.seconds,
-                    "weight_gbs": r.weight_gbs(),
-                    "fraction_of_peak": frac_peak,
-                    "fraction_of_bandwidth": frac_bw,
-                    "quantise_activations_seconds": r.quantise_seconds,
-                });
-                if args.commit {
-                    let c = time_commitment(&g, m, k, n, time)?;
-                    log(format!(
-                        "{:<7} threads {t}  {m:>4}×{k:>5}×{n:>6}  committed: exact accumulators \
-                         {:+.1} %, hashing {:+.1} % of the plain product ({:.3} ms)",
-                        kernel.name(),
-                        100.0 * c.exact_share(),
-                        100.0 * c.hash_share(),
-                        c.plain * 1e3,
-                    ));
-                    row["commitment"] = json!({
-                        "plain_seconds": c.plain,
-                        "exact_seconds": c.exact,
-                        "committed_seconds": c.committed,
-                        "exact_share": c.exact_share(),
-                        "hash_share": c.hash_share(),
-                    });
-                }
-                results.push(row);
+                results.push(product(&g, shape, against, args.commit, time, &log)?);
             }
         }
     }
@@ -151,4 +95,94 @@ pub fn gemm(global: &Global, args: &BenchGemmArgs) -> Result<ExitCode> {
         println!("fractions are against the peak and bandwidth measured with the same thread count in this run");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--thread-counts` (default: 1 and all cores), sorted and without repeats.
+fn thread_counts(global: &Global, args: &BenchGemmArgs) -> Result<Vec<usize>> {
+    let max_threads = global
+        .threads
+        .unwrap_or_else(crate::config::default_threads);
+    let mut thread_counts = args
+        .thread_counts
+        .clone()
+        .unwrap_or_else(|| vec![1, max_threads]);
+    thread_counts.sort_unstable();
+    thread_counts.dedup();
+    if thread_counts.iter().any(|&t| t == 0 || t > 1024) {
+        bail!("--thread-counts must be 1 to 1024");
+    }
+    Ok(thread_counts)
+}
+
+/// The machine's int8 peak (GOPS) and read bandwidth (GB/s) at each thread count: what every
+/// product is judged against.
+fn machine(
+    thread_counts: &[usize],
+    time: Duration,
+    log: &impl Fn(String),
+) -> (BTreeMap<usize, f64>, BTreeMap<usize, f64>) {
+    let mut peak = BTreeMap::new();
+    let mut bandwidth = BTreeMap::new();
+    for &t in thread_counts {
+        let p = int8_peak_gops(t, time).unwrap_or(f64::NAN);
+        let b = read_bandwidth_gbs(t, COLD_BYTES, time);
+        log(format!(
+            "threads {t}: int8 peak {p:.1} GOPS, read bandwidth {b:.1} GB/s"
+        ));
+        peak.insert(t, p);
+        bandwidth.insert(t, b);
+    }
+    (peak, bandwidth)
+}
+
+/// Times the exact product of one `(m, k, n)` shape on `g` (and, with `commit`, what a
+/// commitment adds), judged against the `(peak, bandwidth)` of its thread count; its JSON row.
+fn product(
+    g: &Gemm,
+    (m, k, n): (usize, usize, usize),
+    (peak, bandwidth): (f64, f64),
+    commit: bool,
+    time: Duration,
+    log: &impl Fn(String),
+) -> Result<serde_json::Value> {
+    let (kernel, t) = (g.kernel(), g.threads());
+    let r = time_gemm(g, m, k, n, if m == 1 { COLD_BYTES } else { 0 }, time)?;
+    let frac_peak = r.gops() / peak;
+    let frac_bw = r.weight_gbs() / bandwidth;
+    log(format!(
+        "{:<7} threads {t}  {m:>4}×{k:>5}×{n:>6}  {:>8.1} GOPS  {:>6.1} GB/s  {:>5.1}% of peak  {:>5.1}% of bandwidth  (quantising x: {:.3} ms)",
+        kernel.name(),
+        r.gops(),
+        r.weight_gbs(),
+        100.0 * frac_peak,
+        100.0 * frac_bw,
+        r.quantise_seconds * 1e3,
+    ));
+    let mut row = json!({
+        "kernel": kernel.name(), "threads": t, "m": m, "k": k, "n": n,
+        "gops": r.gops(), "seconds": r.seconds,
+        "weight_gbs": r.weight_gbs(),
+        "fraction_of_peak": frac_peak,
+        "fraction_of_bandwidth": frac_bw,
+        "quantise_activations_seconds": r.quantise_seconds,
+    });
+    if commit {
+        let c = time_commitment(g, m, k, n, time)?;
+        log(format!(
+            "{:<7} threads {t}  {m:>4}×{k:>5}×{n:>6}  committed: exact accumulators \
+             {:+.1} %, hashing {:+.1} % of the plain product ({:.3} ms)",
+            kernel.name(),
+            100.0 * c.exact_share(),
+            100.0 * c.hash_share(),
+            c.plain * 1e3,
+        ));
+        row["commitment"] = json!({
+            "plain_seconds": c.plain,
+            "exact_seconds": c.exact,
+            "committed_seconds": c.committed,
+            "exact_share": c.exact_share(),
+            "hash_share": c.hash_share(),
+        });
+    }
+    Ok(row)
 }

@@ -23,7 +23,9 @@ fn shown(r: &Resolved, key: &str) -> Option<toml::Value> {
 fn source_text(r: &Resolved, key: &str) -> String {
     match (key, r.source(key)) {
         ("data_dir", Source::Default) => "default (platform data directory)".into(),
-        ("threads", Source::Default) => format!("default (all {} cores)", super::default_threads()),
+        ("threads", Source::Default) => {
+            format!("default (all {} cores)", crate::config::default_threads())
+        }
         (_, s) => s.to_string(),
     }
 }

@@ -22,7 +22,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Cell, Paragraph, Row, Table, Widget};
 use serde_json::Value;
 
-use super::swarm::fetch_status_as;
+use super::client::fetch_status_as;
 
 /// How often the dashboard asks the daemon.
 const REFRESH: Duration = Duration::from_secs(1);
@@ -256,54 +256,15 @@ fn state_style(state: &str) -> Style {
 }
 
 fn this_peer(s: &Value) -> Paragraph<'static> {
-    let mut lines = Vec::new();
-    lines.push(Line::from(vec![
+    let mut lines = vec![Line::from(vec![
         label("peer"),
         Span::styled(
             text(&s["peer_id"]),
             Style::new().add_modifier(Modifier::BOLD),
         ),
-    ]));
-    let addrs: Vec<String> = s["listen_addrs"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(text)
-        .collect();
-    // Our own /p2p/<id> suffix repeats the line above: leave it out.
-    let suffix = format!("/p2p/{}", text(&s["peer_id"]));
-    let addrs: Vec<&str> = addrs
-        .iter()
-        .map(|a| a.strip_suffix(&suffix).unwrap_or(a))
-        .collect();
-    if addrs.is_empty() {
-        lines.push(Line::from(vec![label("address"), Span::raw("-")]));
-    }
-    for (i, a) in addrs.iter().take(2).enumerate() {
-        let more = if i == 1 && addrs.len() > 2 {
-            format!("  (+{} more)", addrs.len() - 2)
-        } else {
-            String::new()
-        };
-        let l = if i == 0 { label("address") } else { label("") };
-        lines.push(Line::from(vec![l, Span::raw(format!("{a}{more}"))]));
-    }
-    let model = s["model"].as_str().map(|m| {
-        std::path::Path::new(m)
-            .file_name()
-            .map_or(m.to_string(), |f| f.to_string_lossy().into_owned())
-    });
-    let id = s["model_id"]
-        .as_str()
-        .map(|i| i.chars().take(12).collect::<String>());
-    lines.push(Line::from(vec![
-        label("model"),
-        Span::raw(format!(
-            "{} (id {})",
-            model.unwrap_or_else(|| "-".into()),
-            id.unwrap_or_else(|| "-".into())
-        )),
-    ]));
+    ])];
+    lines.extend(address_lines(s));
+    lines.push(model_line(s));
     let state = s["state"].as_str().unwrap_or("?").to_string();
     let uptime = s["uptime_s"].as_u64().map_or("-".into(), duration);
     lines.push(Line::from(vec![
@@ -324,6 +285,69 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
             text(&s["num_layers"])
         )),
     ]));
+    lines.push(paused_line(s));
+    lines.push(compute_line(s));
+    lines.push(memory_line(&s["memory"]));
+    let g = &s["generations"];
+    lines.push(Line::from(vec![
+        label("cap"),
+        Span::raw(format!("{} generations at once", text(&g["max"]))),
+    ]));
+    Paragraph::new(lines).block(Block::bordered().title(" This peer "))
+}
+
+/// The listen addresses, at most two lines (the rest counted).
+fn address_lines(s: &Value) -> Vec<Line<'static>> {
+    let addrs: Vec<String> = s["listen_addrs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(text)
+        .collect();
+    // Our own /p2p/<id> suffix repeats the line above: leave it out.
+    let suffix = format!("/p2p/{}", text(&s["peer_id"]));
+    let addrs: Vec<&str> = addrs
+        .iter()
+        .map(|a| a.strip_suffix(&suffix).unwrap_or(a))
+        .collect();
+    if addrs.is_empty() {
+        return vec![Line::from(vec![label("address"), Span::raw("-")])];
+    }
+    let mut lines = Vec::new();
+    for (i, a) in addrs.iter().take(2).enumerate() {
+        let more = if i == 1 && addrs.len() > 2 {
+            format!("  (+{} more)", addrs.len() - 2)
+        } else {
+            String::new()
+        };
+        let l = if i == 0 { label("address") } else { label("") };
+        lines.push(Line::from(vec![l, Span::raw(format!("{a}{more}"))]));
+    }
+    lines
+}
+
+/// The model's file name and the start of its id.
+fn model_line(s: &Value) -> Line<'static> {
+    let model = s["model"].as_str().map(|m| {
+        std::path::Path::new(m)
+            .file_name()
+            .map_or(m.to_string(), |f| f.to_string_lossy().into_owned())
+    });
+    let id = s["model_id"]
+        .as_str()
+        .map(|i| i.chars().take(12).collect::<String>());
+    Line::from(vec![
+        label("model"),
+        Span::raw(format!(
+            "{} (id {})",
+            model.unwrap_or_else(|| "-".into()),
+            id.unwrap_or_else(|| "-".into())
+        )),
+    ])
+}
+
+/// Whether new work waits, and whether the daemon serves only while the machine is idle.
+fn paused_line(s: &Value) -> Line<'static> {
     let idle_only = s["idle_only"].as_bool() == Some(true);
     let paused = if s["paused"].as_bool() == Some(true) {
         Span::styled(
@@ -337,7 +361,7 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
     } else {
         Span::styled("no", Style::new().fg(Color::Green))
     };
-    lines.push(Line::from(vec![
+    Line::from(vec![
         label("paused"),
         paused,
         Span::raw(if idle_only {
@@ -345,11 +369,15 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
         } else {
             " · idle-only: off"
         }),
-    ]));
+    ])
+}
+
+/// Kernel, threads and throughput.
+fn compute_line(s: &Value) -> Line<'static> {
     let tput = s["throughput"]
         .as_f64()
         .map_or("-".into(), |t| format!("{t:.1} tok/s"));
-    lines.push(Line::from(vec![
+    Line::from(vec![
         label("compute"),
         Span::raw(format!(
             "kernel {} · {} thread{} · {tput}",
@@ -361,8 +389,11 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
                 "s"
             }
         )),
-    ]));
-    let m = &s["memory"];
+    ])
+}
+
+/// Weights and KV caches against the memory budget (red above 95 %).
+fn memory_line(m: &Value) -> Line<'static> {
     let weights = m["weights"].as_u64().unwrap_or(0);
     let kv = m["kv_caches"].as_u64().unwrap_or(0);
     let mut mem = vec![
@@ -384,13 +415,7 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
         }
         _ => mem.push(Span::raw("no budget")),
     }
-    lines.push(Line::from(mem));
-    let g = &s["generations"];
-    lines.push(Line::from(vec![
-        label("cap"),
-        Span::raw(format!("{} generations at once", text(&g["max"]))),
-    ]));
-    Paragraph::new(lines).block(Block::bordered().title(" This peer "))
+    Line::from(mem)
 }
 
 fn work_panel(s: &Value, rows: usize) -> Paragraph<'static> {
@@ -575,136 +600,186 @@ fn coverage_map(s: &Value, area: Rect, buf: &mut Buffer) {
         Paragraph::new("no layer information yet").render(inner, buf);
         return;
     }
-    let replicas = |l: usize| cov.get(l).copied().unwrap_or(0);
-    // One cell per layer when it fits, else each cell stands for several layers (and shows
-    // the fewest replicas among them, so a gap is never hidden).
-    let avail = (inner.width as usize).saturating_sub(LABEL_W).max(1);
-    let (cw, per) = if n * 3 <= avail {
-        (3, 1)
-    } else if n * 2 <= avail {
-        (2, 1)
-    } else {
-        (1, n.div_ceil(avail))
-    };
-    let cells = n.div_ceil(per);
-    let layers_of = |c: usize| (c * per)..((c + 1) * per).min(n);
+    let replicas: Vec<u64> = (0..n).map(|l| cov.get(l).copied().unwrap_or(0)).collect();
+    let grid = Grid::new(n, inner.width as usize);
+    let mut lines = vec![grid.index_line(), grid.replicas_line(&replicas)];
+    let room = (inner.height as usize).saturating_sub(3);
+    lines.extend(grid.peer_lines(&coverage_rows(s), room));
+    lines.push(gaps_line(&replicas));
+    Paragraph::new(lines).render(inner, buf);
+}
 
-    let mut lines = Vec::new();
-    // Layer numbers every `step` layers: a round number of layers, a whole number of cells,
-    // wide enough for the longest number and a space.
-    let digits = n.to_string().len();
-    let step = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000]
-        .into_iter()
-        .chain((1..).map(|k| k * 1000))
-        .find(|&s| s % per == 0 && (s / per) * cw > digits)
-        .unwrap_or(per);
-    let mut idx = vec![' '; cells * cw];
-    for c in (0..cells).filter(|c| (c * per) % step == 0) {
-        let l = (c * per).to_string();
-        let at = c * cw;
-        for (i, ch) in l.chars().enumerate() {
-            if let Some(slot) = idx.get_mut(at + i) {
-                *slot = ch;
-            }
-        }
-    }
-    lines.push(Line::from(vec![
-        Span::styled(
-            format!("{:<LABEL_W$}", "layer"),
-            Style::new().fg(Color::DarkGray),
-        ),
-        Span::styled(
-            idx.into_iter().collect::<String>(),
-            Style::new().fg(Color::DarkGray),
-        ),
-    ]));
-    let gap = Style::new()
+/// A layer gap: white on red.
+fn gap_style() -> Style {
+    Style::new()
         .fg(Color::White)
         .bg(Color::Red)
-        .add_modifier(Modifier::BOLD);
-    let mut rep = vec![Span::styled(
-        format!("{:<LABEL_W$}", "replicas"),
-        Style::new().fg(Color::DarkGray),
-    )];
-    for c in 0..cells {
-        let r = layers_of(c).map(replicas).min().unwrap_or(0);
-        let t = if r > 9 {
-            "+".to_string()
+        .add_modifier(Modifier::BOLD)
+}
+
+/// The coverage map's columns: `cells` cells of `cw` characters after the row labels, each
+/// standing for `per` consecutive layers of `n`.
+struct Grid {
+    n: usize,
+    cw: usize,
+    per: usize,
+    cells: usize,
+}
+
+impl Grid {
+    /// One cell per layer when it fits in `width`, else each cell stands for several layers
+    /// (and shows the fewest replicas among them, so a gap is never hidden).
+    fn new(n: usize, width: usize) -> Grid {
+        let avail = width.saturating_sub(LABEL_W).max(1);
+        let (cw, per) = if n * 3 <= avail {
+            (3, 1)
+        } else if n * 2 <= avail {
+            (2, 1)
         } else {
-            r.to_string()
+            (1, n.div_ceil(avail))
         };
-        let t = format!("{t:<cw$}");
-        rep.push(if r == 0 {
-            Span::styled(t, gap)
-        } else {
-            Span::raw(t)
-        });
-    }
-    lines.push(Line::from(rep));
-    let rows = coverage_rows(s);
-    let room = (inner.height as usize).saturating_sub(3);
-    let shown = if rows.len() > room {
-        room.saturating_sub(1)
-    } else {
-        rows.len()
-    };
-    for CoverageRow {
-        label: name,
-        layers,
-        me,
-    } in rows.iter().take(shown.min(MAX_COVERAGE_ROWS))
-    {
-        let mut spans = vec![Span::raw(format!("{:<LABEL_W$}", name))];
-        let color = if *me { Color::Green } else { Color::Cyan };
-        for c in 0..cells {
-            let serves = layers
-                .is_some_and(|(a, b)| layers_of(c).any(|l| (a as usize..b as usize).contains(&l)));
-            let mark: String = if serves {
-                "█".repeat(cw.min(2))
-            } else {
-                " ".repeat(cw.min(2))
-            };
-            spans.push(Span::styled(format!("{mark:<cw$}"), Style::new().fg(color)));
+        Grid {
+            n,
+            cw,
+            per,
+            cells: n.div_ceil(per),
         }
-        lines.push(Line::from(spans));
     }
-    let hidden = rows.len() - shown.min(MAX_COVERAGE_ROWS).min(rows.len());
-    if hidden > 0 {
-        lines.push(Line::from(Span::styled(
-            format!("… and {hidden} more peers"),
+
+    /// The layers cell `c` stands for.
+    fn layers_of(&self, c: usize) -> std::ops::Range<usize> {
+        (c * self.per)..((c + 1) * self.per).min(self.n)
+    }
+
+    /// The "layer" row: layer numbers every `step` layers, a round number of layers, a whole
+    /// number of cells, wide enough for the longest number and a space.
+    fn index_line(&self) -> Line<'static> {
+        let (cw, per) = (self.cw, self.per);
+        let digits = self.n.to_string().len();
+        let step = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000]
+            .into_iter()
+            .chain((1..).map(|k| k * 1000))
+            .find(|&s| s % per == 0 && (s / per) * cw > digits)
+            .unwrap_or(per);
+        let mut idx = vec![' '; self.cells * cw];
+        for c in (0..self.cells).filter(|c| (c * per) % step == 0) {
+            let l = (c * per).to_string();
+            let at = c * cw;
+            for (i, ch) in l.chars().enumerate() {
+                if let Some(slot) = idx.get_mut(at + i) {
+                    *slot = ch;
+                }
+            }
+        }
+        Line::from(vec![
+            Span::styled(
+                format!("{:<LABEL_W$}", "layer"),
+                Style::new().fg(Color::DarkGray),
+            ),
+            Span::styled(
+                idx.into_iter().collect::<String>(),
+                Style::new().fg(Color::DarkGray),
+            ),
+        ])
+    }
+
+    /// The "replicas" row: each cell's fewest replicas ("+" above 9), gaps in red.
+    fn replicas_line(&self, replicas: &[u64]) -> Line<'static> {
+        let cw = self.cw;
+        let mut rep = vec![Span::styled(
+            format!("{:<LABEL_W$}", "replicas"),
             Style::new().fg(Color::DarkGray),
-        )));
+        )];
+        for c in 0..self.cells {
+            let r = self.layers_of(c).map(|l| replicas[l]).min().unwrap_or(0);
+            let t = if r > 9 {
+                "+".to_string()
+            } else {
+                r.to_string()
+            };
+            let t = format!("{t:<cw$}");
+            rep.push(if r == 0 {
+                Span::styled(t, gap_style())
+            } else {
+                Span::raw(t)
+            });
+        }
+        Line::from(rep)
     }
-    let gaps = gap_ranges(&(0..n).map(replicas).collect::<Vec<_>>());
+
+    /// One row per peer (this peer green, the others cyan) as far as `room` rows and
+    /// `MAX_COVERAGE_ROWS` allow, then a line counting the peers left out.
+    fn peer_lines(&self, rows: &[CoverageRow], room: usize) -> Vec<Line<'static>> {
+        let cw = self.cw;
+        let shown = if rows.len() > room {
+            room.saturating_sub(1)
+        } else {
+            rows.len()
+        };
+        let mut lines = Vec::new();
+        for CoverageRow {
+            label: name,
+            layers,
+            me,
+        } in rows.iter().take(shown.min(MAX_COVERAGE_ROWS))
+        {
+            let mut spans = vec![Span::raw(format!("{:<LABEL_W$}", name))];
+            let color = if *me { Color::Green } else { Color::Cyan };
+            for c in 0..self.cells {
+                let serves = layers.is_some_and(|(a, b)| {
+                    self.layers_of(c)
+                        .any(|l| (a as usize..b as usize).contains(&l))
+                });
+                let mark: String = if serves {
+                    "█".repeat(cw.min(2))
+                } else {
+                    " ".repeat(cw.min(2))
+                };
+                spans.push(Span::styled(format!("{mark:<cw$}"), Style::new().fg(color)));
+            }
+            lines.push(Line::from(spans));
+        }
+        let hidden = rows.len() - shown.min(MAX_COVERAGE_ROWS).min(rows.len());
+        if hidden > 0 {
+            lines.push(Line::from(Span::styled(
+                format!("… and {hidden} more peers"),
+                Style::new().fg(Color::DarkGray),
+            )));
+        }
+        lines
+    }
+}
+
+/// The verdict under the map: every layer served (and how many times at least), or the gaps.
+fn gaps_line(replicas: &[u64]) -> Line<'static> {
+    let gaps = gap_ranges(replicas);
     if gaps.is_empty() {
-        let min = (0..n).map(replicas).min().unwrap_or(0);
-        lines.push(Line::from(Span::styled(
+        let min = replicas.iter().copied().min().unwrap_or(0);
+        return Line::from(Span::styled(
             format!(
                 "every layer is served (at least {min} replica{})",
                 if min == 1 { "" } else { "s" }
             ),
             Style::new().fg(Color::Green),
-        )));
-    } else {
-        let list: Vec<String> = gaps
-            .iter()
-            .map(|(a, b)| {
-                if b - a == 1 {
-                    format!("layer {a}")
-                } else {
-                    format!("layers {a}..{b}")
-                }
-            })
-            .collect();
-        lines.push(Line::from(Span::styled(
-            format!(
-                "GAP: {} served by no peer; generations cannot run",
-                list.join(", ")
-            ),
-            gap,
-        )));
+        ));
     }
-    Paragraph::new(lines).render(inner, buf);
+    let list: Vec<String> = gaps
+        .iter()
+        .map(|(a, b)| {
+            if b - a == 1 {
+                format!("layer {a}")
+            } else {
+                format!("layers {a}..{b}")
+            }
+        })
+        .collect();
+    Line::from(Span::styled(
+        format!(
+            "GAP: {} served by no peer; generations cannot run",
+            list.join(", ")
+        ),
+        gap_style(),
+    ))
 }
 
 /// Maximal runs of layers with no replica, as half-open ranges.

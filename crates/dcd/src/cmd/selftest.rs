@@ -17,7 +17,10 @@ pub fn run(global: &Global, args: &SelftestArgs) -> Result<ExitCode> {
     let kernels = Kernel::supported();
     let threads = [
         1,
-        global.threads.unwrap_or_else(super::default_threads).max(2),
+        global
+            .threads
+            .unwrap_or_else(crate::config::default_threads)
+            .max(2),
     ];
     let gold = golden::run(&kernels);
     let conf = conformance::sweep(&kernels, &threads, SWEEP_SEED);

@@ -1,13 +1,14 @@
 //! Commands that talk to the swarm: `join` runs the daemon, `status` reads a daemon's status,
 //! `generate --api` generates through a daemon's control API.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::client;
 use crate::cli::{GenerateArgs, Global, StatusArgs};
 use crate::config::Resolved;
 
@@ -54,45 +55,6 @@ pub fn join(global: &Global, r: &Resolved) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn agent(timeout: Option<Duration>) -> ureq::Agent {
-    ureq::config::Config::builder()
-        .http_status_as_error(false)
-        .timeout_global(timeout)
-        .build()
-        .new_agent()
-}
-
-fn api_url(base: &str, path: &str) -> String {
-    format!("{}{path}", base.trim_end_matches('/'))
-}
-
-fn with_token<B>(req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
-    match std::env::var("DCD_API_TOKEN") {
-        Ok(t) if !t.is_empty() => req.header("Authorization", &format!("Bearer {t}")),
-        _ => req,
-    }
-}
-
-/// GETs the status document with `token` (if any), waiting at most `timeout`.
-pub fn fetch_status_as(api: &str, token: Option<&str>, timeout: Duration) -> Result<Value> {
-    let url = api_url(api, "/status");
-    let mut req = agent(Some(timeout)).get(&url);
-    if let Some(t) = token.filter(|t| !t.is_empty()) {
-        req = req.header("Authorization", &format!("Bearer {t}"));
-    }
-    let mut resp = req.call().with_context(|| {
-        format!("no daemon answers at {api}; start one with `dcd join --model <model>`")
-    })?;
-    let text = resp
-        .body_mut()
-        .read_to_string()
-        .context("reading the status")?;
-    if !resp.status().is_success() {
-        bail!("{url}: {} {text}", resp.status());
-    }
-    serde_json::from_str(&text).context("the status is not JSON")
-}
-
 pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
     let api = match &a.api {
         Some(u) if u.contains("://") => u.clone(),
@@ -100,7 +62,7 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
         None => crate::config::api_url(r.settings.api),
     };
     let token = r.settings.api_token.as_deref();
-    let s = fetch_status_as(&api, token, Duration::from_secs(10))?;
+    let s = client::fetch_status_as(&api, token, Duration::from_secs(10))?;
     if a.json {
         println!("{s}");
         return Ok(ExitCode::SUCCESS);
@@ -110,6 +72,60 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
 }
 
 pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
+    let mut events = client::post_stream(api, "/generate", &generate_body(a)?)?;
+    let mut stdout = std::io::stdout().lock();
+    let mut seen = Transcript {
+        prompt_ids: a
+            .prompt_ids
+            .clone()
+            .map(|v| json!(v))
+            .unwrap_or(Value::Null),
+        corrections: Vec::new(),
+        routes: Vec::new(),
+    };
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if events.read_line(&mut line)? == 0 {
+            bail!("the daemon closed the stream before the generation finished");
+        }
+        let ev: Value =
+            serde_json::from_str(line.trim()).with_context(|| format!("bad event {line:?}"))?;
+        match ev["event"].as_str() {
+            Some("started") => seen.started(&ev, a.json),
+            Some("token") if !a.json => {
+                match ev["text"].as_str() {
+                    Some(t) => write!(stdout, "{t}")?,
+                    None => write!(stdout, "{} ", ev["id"])?,
+                }
+                stdout.flush()?;
+            }
+            Some("token") => {}
+            Some("corrected") => {
+                if !a.json {
+                    print_correction(&mut stdout, &ev)?;
+                }
+                seen.corrections.push(ev.clone());
+            }
+            Some("done") => {
+                if a.json {
+                    writeln!(stdout, "{}", seen.done_json(&ev))?;
+                } else {
+                    writeln!(stdout)?;
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            Some("error") => bail!(
+                "generation failed: {}",
+                ev["message"].as_str().unwrap_or("?")
+            ),
+            _ => bail!("unexpected event {line:?}"),
+        }
+    }
+}
+
+/// The `/generate` request body for `generate --api`'s arguments.
+fn generate_body(a: &GenerateArgs) -> Result<Value> {
     let mut body = json!({
         "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature,
@@ -134,112 +150,75 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
     if let Some(r) = a.audit_rate {
         body["audit_rate"] = json!(r);
     }
-    let url = api_url(api, "/generate");
-    let resp = with_token(
-        agent(None)
-            .post(&url)
-            .header("Content-Type", "application/json"),
-    )
-    .send(body.to_string())
-    .with_context(|| format!("no daemon answers at {api}"))?;
-    let status = resp.status();
-    let mut reader = BufReader::new(resp.into_body().into_reader());
-    if !status.is_success() {
-        let mut text = String::new();
-        reader.read_to_string(&mut text)?;
-        let msg = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-            .unwrap_or(text);
-        bail!("{url}: {status}: {msg}");
-    }
-    let mut stdout = std::io::stdout().lock();
-    let mut prompt_ids = a
-        .prompt_ids
-        .clone()
-        .map(|v| json!(v))
-        .unwrap_or(Value::Null);
-    let mut corrections: Vec<Value> = Vec::new();
-    // Every route the head tried: more than one when it recomputed without a peer.
-    let mut routes: Vec<Value> = Vec::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if reader.read_line(&mut line)? == 0 {
-            bail!("the daemon closed the stream before the generation finished");
+    Ok(body)
+}
+
+/// What a `generate --api` stream told us before `done`, for the `--json` answer.
+struct Transcript {
+    prompt_ids: Value,
+    corrections: Vec<Value>,
+    /// Every route the head tried: more than one when it recomputed without a peer.
+    routes: Vec<Value>,
+}
+
+impl Transcript {
+    /// A `started` event: the head's prompt ids and route (announced on stderr when it is
+    /// not the first, unless the answer is `--json`).
+    fn started(&mut self, ev: &Value, json: bool) {
+        if let Some(p) = ev.get("prompt_ids") {
+            self.prompt_ids = p.clone();
         }
-        let ev: Value =
-            serde_json::from_str(line.trim()).with_context(|| format!("bad event {line:?}"))?;
-        match ev["event"].as_str() {
-            Some("started") => {
-                if let Some(p) = ev.get("prompt_ids") {
-                    prompt_ids = p.clone();
-                }
-                routes.push(ev["route"].clone());
-                // A later route: the head went on without a peer it could not use (handing its
-                // layers to another, or recomputing the generation) or without a proven liar;
-                // tokens already sent come again only if they change.
-                if routes.len() > 1 && !a.json {
-                    let hops: Vec<String> = ev["route"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .map(|h| {
-                            let (layers, peer) = (h["layers"].as_str(), h["peer"].as_str());
-                            format!("{}@{}", layers.unwrap_or("?"), peer.unwrap_or("?"))
-                        })
-                        .collect();
-                    eprintln!("[the route changed: {}]", hops.join(" → "));
-                }
-            }
-            Some("token") if !a.json => {
-                match ev["text"].as_str() {
-                    Some(t) => write!(stdout, "{t}")?,
-                    None => write!(stdout, "{} ", ev["id"])?,
-                }
-                stdout.flush()?;
-            }
-            Some("token") => {}
-            Some("corrected") => {
-                if !a.json {
-                    writeln!(stdout)?;
-                    writeln!(
-                        stdout,
-                        "[peer {} was proven to lie; corrected from token {}:]",
-                        ev["liar"].as_str().unwrap_or("?"),
-                        ev["from"]
-                    )?;
-                    match ev["text"].as_str() {
-                        Some(t) => write!(stdout, "{t}")?,
-                        None => write!(stdout, "{}", ev["tokens"])?,
-                    }
-                }
-                corrections.push(ev.clone());
-            }
-            Some("done") => {
-                if a.json {
-                    let out = json!({
-                        "prompt_ids": prompt_ids,
-                        "tokens": ev["tokens"],
-                        "text": ev["text"],
-                        "stop": ev["stop"],
-                        "final_logits": ev["final_logits"],
-                        "corrections": corrections,
-                        "routes": routes,
-                    });
-                    writeln!(stdout, "{out}")?;
-                } else {
-                    writeln!(stdout)?;
-                }
-                return Ok(ExitCode::SUCCESS);
-            }
-            Some("error") => bail!(
-                "generation failed: {}",
-                ev["message"].as_str().unwrap_or("?")
-            ),
-            _ => bail!("unexpected event {line:?}"),
+        self.routes.push(ev["route"].clone());
+        // A later route: the head went on without a peer it could not use (handing its
+        // layers to another, or recomputing the generation) or without a proven liar;
+        // tokens already sent come again only if they change.
+        if self.routes.len() > 1 && !json {
+            eprintln!("[the route changed: {}]", route_text(&ev["route"]));
         }
     }
+
+    /// The `--json` answer once the `done` event `ev` came.
+    fn done_json(&self, ev: &Value) -> Value {
+        json!({
+            "prompt_ids": self.prompt_ids,
+            "tokens": ev["tokens"],
+            "text": ev["text"],
+            "stop": ev["stop"],
+            "final_logits": ev["final_logits"],
+            "corrections": self.corrections,
+            "routes": self.routes,
+        })
+    }
+}
+
+/// A route as "layers@peer → layers@peer".
+fn route_text(route: &Value) -> String {
+    let hops: Vec<String> = route
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| {
+            let (layers, peer) = (h["layers"].as_str(), h["peer"].as_str());
+            format!("{}@{}", layers.unwrap_or("?"), peer.unwrap_or("?"))
+        })
+        .collect();
+    hops.join(" → ")
+}
+
+/// A `corrected` event as text: who was proven to lie, then the corrected tokens.
+fn print_correction(out: &mut impl Write, ev: &Value) -> Result<()> {
+    writeln!(out)?;
+    writeln!(
+        out,
+        "[peer {} was proven to lie; corrected from token {}:]",
+        ev["liar"].as_str().unwrap_or("?"),
+        ev["from"]
+    )?;
+    match ev["text"].as_str() {
+        Some(t) => write!(out, "{t}")?,
+        None => write!(out, "{}", ev["tokens"])?,
+    }
+    Ok(())
 }
 
 pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<ExitCode> {
@@ -248,7 +227,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
         .with_context(|| format!("reading {}", a.file.display()))?;
     let proof: dc_types::FraudProof = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a fraud proof", a.file.display()))?;
-    let path = super::model_path(&crate::cli::ModelArg {
+    let path = super::local::model_path(&crate::cli::ModelArg {
         model: a.model.clone(),
     })?;
     let data = dc_model::store::data_dir()?;
@@ -270,7 +249,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
         ),
         None => None,
     };
-    let gemm = super::engine(global)?;
+    let gemm = super::local::engine(global)?;
     let verdict =
         dc_node::check::proof::verify_proof(&proof, model_id, &cfg, model.as_ref(), &gemm);
     let id = dc_node::check::proof::proof_id(&proof);
