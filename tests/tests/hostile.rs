@@ -737,3 +737,75 @@ async fn hoarding_stage_caches_or_flooding_reveals_does_not_lock_others_out() {
         stage.log_text()
     );
 }
+
+/// The connection limits hold against a crowd: a daemon allowing 3 connections, 2 per peer,
+/// is dialled twice each by six intruders and twice more by one of them; it keeps at most 3
+/// connections and 2 with any one peer, logs the refusals once, and goes on generating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_limits_hold_against_a_crowd_of_intruders() {
+    let model = fixtures().join("llama");
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start_with_env(
+        dir.path(),
+        "victim",
+        &model,
+        &["--layers", "0..4"],
+        &[
+            ("DCD_MAX_CONNECTIONS", "3"),
+            ("DCD_MAX_CONNECTIONS_PER_PEER", "2"),
+        ],
+    );
+    let victim: libp2p::PeerId = d.peer_id.parse().unwrap();
+    let addr: libp2p::Multiaddr = d.addr.parse().unwrap();
+    let mut crowd = Vec::new();
+    for _ in 0..6 {
+        let cfg = NetConfig {
+            listen: vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
+            ..NetConfig::new(
+                libp2p::identity::Keypair::generate_ed25519(),
+                "crowd".into(),
+            )
+        };
+        let (client, events, ev_loop) = dc_net::start(cfg).unwrap();
+        tokio::spawn(ev_loop.run());
+        for _ in 0..2 {
+            let _ = client.dial(addr.clone()).await;
+        }
+        crowd.push((client, events));
+    }
+    for _ in 0..2 {
+        let _ = crowd[0].0.dial(addr.clone()).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let open = d.status()["connections"]["open"].as_u64().unwrap();
+    assert!((1..=3).contains(&open), "{open} connections open");
+    let mut connected = 0;
+    for (client, _) in &crowd {
+        let with_victim = client
+            .connections()
+            .await
+            .unwrap()
+            .iter()
+            .filter(|c| c.peer == victim)
+            .count();
+        assert!(with_victim <= 2, "{with_victim} connections with one peer");
+        connected += usize::from(with_victim > 0);
+    }
+    assert!(connected <= 3, "{connected} intruders connected");
+    let refusals = d
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("refused a connection from"))
+        .count();
+    assert_eq!(refusals, 1, "{}", d.log_text());
+    // Still serving: a generation through its own layers.
+    let out = generate_json(&[
+        "--api",
+        &d.api,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "3",
+    ]);
+    assert_eq!(out["tokens"].as_array().unwrap().len(), 3);
+}
