@@ -13,3 +13,14 @@ scripts/fetch-model.sh
 if ! python3 -c 'import openai, sys; sys.exit(openai.__version__ != sys.argv[1])' "${OPENAI_PIN#openai==}" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check "$OPENAI_PIN"
 fi
+# The NAT test (tests/tests/nat.rs) builds network namespaces with `ip` and `iptables`: as root
+# on a Debian-like machine, install them if they are missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=()
+    command -v ip >/dev/null || missing+=(iproute2)
+    command -v iptables >/dev/null || missing+=(iptables)
+    if [ ${#missing[@]} -gt 0 ]; then
+        apt-get install -y -q "${missing[@]}" >/dev/null || apt-get update -q >/dev/null &&
+            apt-get install -y -q "${missing[@]}" >/dev/null
+    fi
+fi
