@@ -35,7 +35,7 @@ const LABEL_W: usize = 12;
 /// Terminals at least this wide show "This peer" and "Work" side by side.
 const WIDE: u16 = 110;
 /// Height of the "This peer" block.
-const TOP_H: u16 = 12;
+const TOP_H: u16 = 13;
 
 /// What the dashboard shows besides the status document.
 #[derive(Clone, Debug, Default)]
@@ -264,6 +264,7 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
         ),
     ])];
     lines.extend(address_lines(s));
+    lines.push(network_line(s));
     lines.push(model_line(s));
     let state = s["state"].as_str().unwrap_or("?").to_string();
     let uptime = s["uptime_s"].as_u64().map_or("-".into(), duration);
@@ -324,6 +325,23 @@ fn address_lines(s: &Value) -> Vec<Line<'static>> {
         lines.push(Line::from(vec![l, Span::raw(format!("{a}{more}"))]));
     }
     lines
+}
+
+/// Reachability, connections and the private swarm, if any.
+fn network_line(s: &Value) -> Line<'static> {
+    let c = &s["connections"];
+    let mut parts = vec![format!(
+        "{}, {} connections",
+        s["reachability"].as_str().unwrap_or("unknown"),
+        c["open"].as_u64().unwrap_or(0)
+    )];
+    if let Some(n) = c["relayed"].as_u64().filter(|n| *n > 0) {
+        parts.push(format!("{n} relayed"));
+    }
+    if let Some(fp) = s["private_swarm"].as_str() {
+        parts.push(format!("private swarm {fp}"));
+    }
+    Line::from(vec![label("network"), Span::raw(parts.join(" · "))])
 }
 
 /// The model's file name and the start of its id.
@@ -817,10 +835,17 @@ fn peers_table(s: &Value, scroll: usize, area: Rect, buf: &mut Buffer) -> usize 
             end
         )
     };
-    let widths = [10u16, 7, 4, 9, 7, 9, 4, 9];
+    // Narrow terminals leave out how each peer is connected (direct or relayed).
+    let link = area.width >= WIDE;
+    let mut widths = vec![10u16, 7, 4, 9, 7, 9, 4, 8, 9];
+    // The column of `link` in `widths`, and in each row (after the peer id).
+    const LINK: usize = 7;
+    if !link {
+        widths.remove(LINK);
+    }
     let fixed: u16 = widths.iter().sum::<u16>() + widths.len() as u16;
     let id_w = area.width.saturating_sub(2 + fixed).max(14) as usize;
-    let header = Row::new([
+    let mut header = vec![
         "peer",
         "software",
         "layers",
@@ -829,9 +854,13 @@ fn peers_table(s: &Value, scroll: usize, area: Rect, buf: &mut Buffer) -> usize 
         "tok/s",
         "free mem",
         "gens",
+        "link",
         "last seen",
-    ])
-    .style(
+    ];
+    if !link {
+        header.remove(LINK + 1);
+    }
+    let header = Row::new(header).style(
         Style::new()
             .fg(Color::DarkGray)
             .add_modifier(Modifier::BOLD),
@@ -849,7 +878,7 @@ fn peers_table(s: &Value, scroll: usize, area: Rect, buf: &mut Buffer) -> usize 
             let seen = p["last_seen_ms"]
                 .as_u64()
                 .map_or("-".into(), |ms| format!("{:.1} s ago", ms as f64 / 1000.0));
-            Row::new(vec![
+            let mut cells = vec![
                 Cell::from(fit_id(id, id_w)),
                 Cell::from(text(&p["software"])),
                 Cell::from(text(&p["layers"])),
@@ -866,9 +895,13 @@ fn peers_table(s: &Value, scroll: usize, area: Rect, buf: &mut Buffer) -> usize 
                 ),
                 Cell::from(p["free_memory"].as_u64().map_or("-".into(), bytes)),
                 Cell::from(text(&p["active_generations"])),
+                Cell::from(text(&p["connection"])),
                 Cell::from(seen),
-            ])
-            .style(if is_excluded {
+            ];
+            if !link {
+                cells.remove(LINK + 1);
+            }
+            Row::new(cells).style(if is_excluded {
                 Style::new().fg(Color::Red)
             } else {
                 Style::new()
@@ -1215,6 +1248,24 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(ME), "{text}");
+    }
+
+    #[test]
+    fn the_network_shows_reachability_and_each_peers_link_when_wide() {
+        let mut s = sample();
+        s["reachability"] = json!("private");
+        s["connections"] = json!({"open": 3, "relayed": 1, "max": 256});
+        s["private_swarm"] = json!("c0ffee12");
+        s["peers"][0]["connection"] = json!("relayed");
+        let (t, _) = draw(&s, &View::default(), 160, 40);
+        let text = screen(&t);
+        assert!(
+            text.contains("private, 3 connections · 1 relayed · private swarm c0ffee12"),
+            "{text}"
+        );
+        assert!(text.contains("link") && text.contains("relayed "), "{text}");
+        let (t, _) = draw(&s, &View::default(), 80, 40);
+        assert!(!screen(&t).contains(" link "), "{}", screen(&t));
     }
 
     #[test]
