@@ -620,11 +620,29 @@ impl EventLoop {
                     self.emit(NetEvent::Disconnected(peer_id)).await;
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+            SwarmEvent::Behaviour(b) => self.on_behaviour(b).await,
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                info!("external address confirmed: {address}");
+            }
+            SwarmEvent::IncomingConnectionError {
+                send_back_addr,
+                error,
+                ..
+            } => self.on_incoming_error(&send_back_addr, &error),
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                self.on_outgoing_error(peer_id, &error)
+            }
+            _ => {}
+        }
+    }
+
+    async fn on_behaviour(&mut self, ev: BehaviourEvent) {
+        match ev {
+            BehaviourEvent::Identify(identify::Event::Received {
                 peer_id,
                 connection_id,
                 info,
-            })) => {
+            }) => {
                 if info.protocol_version != IDENTIFY_VERSION {
                     info!(
                         "ignoring peer {peer_id}: protocol {:?}, we speak {IDENTIFY_VERSION:?}",
@@ -635,7 +653,7 @@ impl EventLoop {
                 }
                 self.on_identify(peer_id, connection_id, info);
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(list))) => {
+            BehaviourEvent::Mdns(mdns::Event::Discovered(list)) => {
                 for (peer, addr) in list {
                     if !self.usable(&addr) {
                         continue;
@@ -649,10 +667,7 @@ impl EventLoop {
                     }
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
-                message,
-                ..
-            })) => {
+            BehaviourEvent::Gossipsub(gossipsub::Event::Message { message, .. }) => {
                 if let Some(from) = message.source {
                     self.emit(NetEvent::Gossip {
                         from,
@@ -661,11 +676,35 @@ impl EventLoop {
                     .await;
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Stage(request_response::Event::Message {
-                peer,
-                message,
+            BehaviourEvent::Stage(e) => self.on_stage(e).await,
+            BehaviourEvent::Autonat(autonat::v1::Event::StatusChanged { new, .. }) => {
+                self.on_reachability(new).await
+            }
+            BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal: false,
                 ..
-            })) => match message {
+            }) => info!("relay {relay_peer_id} accepted our reservation"),
+            BehaviourEvent::RelayClient(e) => debug!("relay client: {e:?}"),
+            BehaviourEvent::Relay(e) => debug!("relay service: {e:?}"),
+            BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            }) => match result {
+                Ok(_) => info!("hole punched a direct connection to {remote_peer_id}"),
+                Err(e) => {
+                    if self.logged.first(format!("dcutr:{remote_peer_id}")) {
+                        info!("no direct connection to {remote_peer_id}, staying relayed: {e}");
+                    }
+                }
+            },
+            _ => {}
+        }
+    }
+
+    async fn on_stage(&mut self, ev: request_response::Event<StageRequest, StageResponse>) {
+        match ev {
+            request_response::Event::Message { peer, message, .. } => match message {
                 request_response::Message::Request {
                     request, channel, ..
                 } => {
@@ -685,14 +724,12 @@ impl EventLoop {
                     }
                 }
             },
-            SwarmEvent::Behaviour(BehaviourEvent::Stage(
-                request_response::Event::OutboundFailure {
-                    peer,
-                    request_id,
-                    error,
-                    ..
-                },
-            )) => {
+            request_response::Event::OutboundFailure {
+                peer,
+                request_id,
+                error,
+                ..
+            } => {
                 if let Some(reply) = self.pending.remove(&request_id) {
                     let _ = reply.send(Err(match error {
                         request_response::OutboundFailure::Timeout => NetError::Timeout,
@@ -703,45 +740,8 @@ impl EventLoop {
                     }));
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Stage(
-                request_response::Event::InboundFailure { peer, error, .. },
-            )) => {
+            request_response::Event::InboundFailure { peer, error, .. } => {
                 warn!("refused a stage request from {peer}: {error}");
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::v1::Event::StatusChanged {
-                new,
-                ..
-            })) => self.on_reachability(new).await,
-            SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
-                relay::client::Event::ReservationReqAccepted {
-                    relay_peer_id,
-                    renewal: false,
-                    ..
-                },
-            )) => info!("relay {relay_peer_id} accepted our reservation"),
-            SwarmEvent::Behaviour(BehaviourEvent::RelayClient(e)) => debug!("relay client: {e:?}"),
-            SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => debug!("relay service: {e:?}"),
-            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
-                remote_peer_id,
-                result,
-            })) => match result {
-                Ok(_) => info!("hole punched a direct connection to {remote_peer_id}"),
-                Err(e) => {
-                    if self.logged.first(format!("dcutr:{remote_peer_id}")) {
-                        info!("no direct connection to {remote_peer_id}, staying relayed: {e}");
-                    }
-                }
-            },
-            SwarmEvent::ExternalAddrConfirmed { address } => {
-                info!("external address confirmed: {address}");
-            }
-            SwarmEvent::IncomingConnectionError {
-                send_back_addr,
-                error,
-                ..
-            } => self.on_incoming_error(&send_back_addr, &error),
-            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
-                self.on_outgoing_error(peer_id, &error)
             }
             _ => {}
         }
