@@ -10,183 +10,25 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use dc_kernels::commit::{activations_commitment, LeafBatch};
+use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
 use dc_kernels::{Commitment, Gemm, KernelError, QuantizedRows};
 
+use crate::activations::Activations;
 use crate::attention::{
     attend_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::hf::{read_json, SafetensorsSource};
-use crate::reveal::{Kept, KeptHop, KeptLayer};
+use crate::kv_cache::KvCache;
+use crate::open::open_source;
 use crate::source::TensorSource;
 use crate::trace::{HopTrace, Point};
+use crate::verify::kept::{Kept, KeptHop, KeptLayer};
 use crate::weight_cache::WeightCache;
 use crate::weights::{
     check_range, load_head, load_layer, Head, KeptProduct, Layer, Mlp, Norm, RowLeaves,
 };
-
-/// Activations crossing a stage boundary: `rows` consecutive positions starting at `start`,
-/// each a `hidden`-wide f32 row.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Activations {
-    /// Absolute position of the first row.
-    pub start: usize,
-    /// Width of a row.
-    pub hidden: usize,
-    /// Row-major values, `rows × hidden`.
-    pub data: Vec<f32>,
-}
-
-impl Activations {
-    /// Number of rows (positions).
-    pub fn rows(&self) -> usize {
-        self.data.len() / self.hidden.max(1)
-    }
-
-    /// The positions covered.
-    pub fn positions(&self) -> Range<usize> {
-        self.start..self.start + self.rows()
-    }
-
-    /// The last row.
-    pub fn last_row(&self) -> Activations {
-        let r = self.rows();
-        Activations {
-            start: self.start + r - 1,
-            hidden: self.hidden,
-            data: self.data[(r - 1) * self.hidden..].to_vec(),
-        }
-    }
-
-    /// The rows at positions `from..` (all rows if `from` is before the first).
-    pub fn rows_from(&self, from: usize) -> Activations {
-        let skip = from.saturating_sub(self.start).min(self.rows());
-        Activations {
-            start: self.start + skip,
-            hidden: self.hidden,
-            data: self.data[skip * self.hidden..].to_vec(),
-        }
-    }
-
-    /// Canonical commitment to the activations (position, width, little-endian f32 bytes).
-    pub fn commitment(&self) -> Commitment {
-        activations_commitment(self.start, self.hidden, &self.data)
-    }
-
-    /// Refuses NaN and infinities, naming where they are.
-    pub fn check_finite(&self, stage: &str, layer: &str) -> Result<()> {
-        if let Some(i) = self.data.iter().position(|v| !v.is_finite()) {
-            return Err(ModelError::NonFinite {
-                stage: stage.into(),
-                layer: layer.into(),
-                detail: format!(
-                    "value {} at position {}, channel {}",
-                    self.data[i],
-                    self.start + i / self.hidden,
-                    i % self.hidden
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// The KV cache of one stage for one generation: one [`LayerCache`] per layer of the range.
-#[derive(Clone, Debug)]
-pub struct KvCache {
-    layers: Range<usize>,
-    caches: Vec<LayerCache>,
-}
-
-impl KvCache {
-    /// An empty cache for `layers` of a model.
-    pub fn new(cfg: &ModelConfig, layers: Range<usize>) -> KvCache {
-        KvCache {
-            caches: layers
-                .clone()
-                .map(|_| LayerCache::new(cfg.num_kv_heads, cfg.head_dim))
-                .collect(),
-            layers,
-        }
-    }
-
-    /// Positions held (the same in every layer).
-    pub fn len(&self) -> usize {
-        self.caches.first().map_or(0, LayerCache::len)
-    }
-
-    /// Whether nothing is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.caches.iter().map(LayerCache::bytes).sum()
-    }
-
-    /// Appends the positions encoded in `rows`, one entry per layer (see
-    /// [`LayerCache::from_encoded`]), as a peer revealed them; on an error nothing is appended.
-    pub fn extend_encoded(&mut self, rows: &[Vec<u8>]) -> Result<()> {
-        if rows.len() != self.caches.len() {
-            return Err(ModelError::Input(format!(
-                "cache rows of {} layers for layers {}..{}",
-                rows.len(),
-                self.layers.start,
-                self.layers.end
-            )));
-        }
-        let held = self.len();
-        let mut done = Ok(());
-        for (c, r) in self.caches.iter_mut().zip(rows) {
-            done = c.extend_encoded(r);
-            if done.is_err() {
-                break;
-            }
-        }
-        if done.is_ok() && self.caches.iter().any(|c| c.len() != self.caches[0].len()) {
-            done = Err(ModelError::Input(
-                "cache rows of different lengths for different layers".into(),
-            ));
-        }
-        if done.is_err() {
-            for c in &mut self.caches {
-                c.truncate(held);
-            }
-        }
-        done
-    }
-
-    /// The cache of `layer` (an absolute layer index), if this cache serves it.
-    pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
-        self.caches.get(layer.checked_sub(self.layers.start)?)
-    }
-
-    /// The cache of `layer`, to replace it (a test-only liar swaps in a tampered one).
-    pub fn layer_mut(&mut self, layer: usize) -> Option<&mut LayerCache> {
-        self.caches.get_mut(layer.checked_sub(self.layers.start)?)
-    }
-
-    /// The layers this cache serves.
-    pub fn layers(&self) -> Range<usize> {
-        self.layers.clone()
-    }
-
-    /// A copy of the caches of `layers` (a sub-range of ours).
-    pub fn sub(&self, layers: Range<usize>) -> Option<KvCache> {
-        if layers.start < self.layers.start || layers.end > self.layers.end || layers.is_empty() {
-            return None;
-        }
-        let a = layers.start - self.layers.start;
-        Some(KvCache {
-            caches: self.caches[a..a + layers.len()].to_vec(),
-            layers,
-        })
-    }
-}
 
 /// Where a block's products come from: run on the weights (a stage), or revealed by a stage
 /// and checked (a spot check). The glue between them is the same code either way, so a check
@@ -475,32 +317,6 @@ impl std::fmt::Debug for Model {
             .field("head", &self.head.is_some())
             .finish()
     }
-}
-
-/// Opens a model's tensors and configuration: a Hugging Face folder or a GGUF file.
-pub fn open_source(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
-    if path.is_dir() {
-        let cfg = ModelConfig::from_hf_json(&read_json(&path.join("config.json"))?)?;
-        let src = SafetensorsSource::open_dir(path)?;
-        Ok((cfg, Box::new(src)))
-    } else if path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    {
-        open_gguf(path)
-    } else {
-        Err(ModelError::Input(format!(
-            "{}: expected a Hugging Face folder (with config.json) or a .gguf file",
-            path.display()
-        )))
-    }
-}
-
-/// Opens a GGUF file: its metadata becomes a Hugging Face style configuration.
-fn open_gguf(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
-    let g = crate::gguf::GgufFile::open(path)?;
-    let cfg = ModelConfig::from_hf_json(&g.hf_config()?)?;
-    Ok((cfg, Box::new(g)))
 }
 
 impl Model {
