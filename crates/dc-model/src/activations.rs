@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use dc_kernels::commit::activations_commitment;
+use dc_kernels::verify::commit::activations_commitment;
 use dc_kernels::Commitment;
 
 use crate::error::{ModelError, Result};

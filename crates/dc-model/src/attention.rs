@@ -14,11 +14,11 @@
 //! the context row quantised as that projection takes it (since protocol 7, in the model's
 //! block), and a check of either product recomputes both.
 
-use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
+use dc_kernels::verify::commit::LeafBatch;
 use dc_kernels::{Commitment, Domain};
 use rayon::prelude::*;
 

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
+use dc_kernels::verify::commit::LeafBatch;
 use dc_kernels::{Commitment, Gemm, KernelError, QuantizedRows};
 
 use crate::activations::Activations;
@@ -147,7 +147,7 @@ impl QueuedLayer {
     /// it, then the kept layer into the hop (`hashed`: `None` when nothing was queued).
     fn record(
         mut self,
-        hashed: Option<dc_kernels::commit::FinishedSets>,
+        hashed: Option<dc_kernels::verify::commit::FinishedSets>,
         trace: Option<&mut HopTrace>,
         keep: Option<&mut KeptHop>,
     ) {

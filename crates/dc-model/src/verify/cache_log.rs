@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use dc_kernels::commit::LeafBatch;
+use dc_kernels::verify::commit::LeafBatch;
 use dc_types::{HopTrace, Point};
 
 use crate::attention::{queue_cache_rows, LayerCache};

@@ -3,8 +3,8 @@
 //! recomputed on the revealed rows, and the layer's output compared bit for bit; and many picks
 //! of one hop checked in parallel.
 
-use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::reveal::{decode_for_check, decode_units_for_check, Decode, Opening};
+use dc_kernels::verify::freivalds::FreivaldsKey;
+use dc_kernels::verify::reveal::{decode_for_check, decode_units_for_check, Decode, Opening};
 use dc_kernels::{Commitment, QuantizedRows};
 use dc_types::{CheckSet, HopTrace, LayerReveal, Point, RevealedRow, WireActivations};
 

@@ -1,7 +1,7 @@
 //! A checker's secrets and parameters for one layer, made once from the layer's weights: the
 //! checking itself is in `check.rs`. The secret `r` of each product never leaves this value.
 
-use dc_kernels::freivalds::FreivaldsKey;
+use dc_kernels::verify::freivalds::FreivaldsKey;
 use dc_kernels::Domain;
 use dc_types::Point;
 

@@ -1,8 +1,8 @@
 //! The hashes a check takes of what was revealed, gathered and hashed together where the hash
 //! lanes pay, then compared in order so the first mismatch is the one named.
 
-use dc_kernels::commit::{product_row_leaf, quantized_row_leaf, LeafBatch};
-use dc_kernels::reveal::Opening;
+use dc_kernels::verify::commit::{product_row_leaf, quantized_row_leaf, LeafBatch};
+use dc_kernels::verify::reveal::Opening;
 use dc_kernels::Commitment;
 use dc_types::Point;
 
@@ -61,35 +61,34 @@ impl<'a> Hashes<'a> {
             Message::ProductRow(i) => 16 + 4 * values[*i].rounded.len(),
             Message::QuantizedRow(_, bytes) => 16 + bytes.len(),
         };
-        let hashes: Vec<Commitment> =
-            match dc_kernels::hash_many::lanes_pay(self.gathered.iter().map(|(m, _)| len(m))) {
-                true => {
-                    let mut batch = LeafBatch::default();
-                    for (m, _) in &self.gathered {
-                        match m {
-                            Message::Activations(a) => {
-                                batch.activations(a.start, a.hidden, &a.data)
-                            }
-                            Message::ProductRow(i) => {
-                                batch.product_row_message(pos, &values[*i].rounded)
-                            }
-                            Message::QuantizedRow(k, bytes) => {
-                                batch.quantized_row_message(pos, *k, bytes)
-                            }
+        let hashes: Vec<Commitment> = match dc_kernels::verify::hash_many::lanes_pay(
+            self.gathered.iter().map(|(m, _)| len(m)),
+        ) {
+            true => {
+                let mut batch = LeafBatch::default();
+                for (m, _) in &self.gathered {
+                    match m {
+                        Message::Activations(a) => batch.activations(a.start, a.hidden, &a.data),
+                        Message::ProductRow(i) => {
+                            batch.product_row_message(pos, &values[*i].rounded)
+                        }
+                        Message::QuantizedRow(k, bytes) => {
+                            batch.quantized_row_message(pos, *k, bytes)
                         }
                     }
-                    batch.finish_sets(false).commitments
                 }
-                false => self
-                    .gathered
-                    .iter()
-                    .map(|(m, _)| match m {
-                        Message::Activations(a) => a.commitment(),
-                        Message::ProductRow(i) => product_row_leaf(pos, &values[*i].rounded),
-                        Message::QuantizedRow(k, bytes) => quantized_row_leaf(pos, *k, bytes),
-                    })
-                    .collect(),
-            };
+                batch.finish_sets(false).commitments
+            }
+            false => self
+                .gathered
+                .iter()
+                .map(|(m, _)| match m {
+                    Message::Activations(a) => a.commitment(),
+                    Message::ProductRow(i) => product_row_leaf(pos, &values[*i].rounded),
+                    Message::QuantizedRow(k, bytes) => quantized_row_leaf(pos, *k, bytes),
+                })
+                .collect(),
+        };
         for ((_, want), hash) in self.gathered.drain(..).zip(hashes) {
             let error = match want {
                 Want::Input(c) if c != Some(hash) => {

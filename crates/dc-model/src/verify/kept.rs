@@ -2,8 +2,8 @@
 //! and the reveal itself. Filled by the forward pass as it runs (so it sits below it and
 //! imports nothing of it); it never checks anything.
 
-use dc_kernels::commit::{row_leaf_at, MerkleTree};
-use dc_kernels::reveal::row_for_reveal;
+use dc_kernels::verify::commit::{row_leaf_at, MerkleTree};
+use dc_kernels::verify::reveal::row_for_reveal;
 use dc_kernels::{Accumulators, Commitment};
 use dc_types::{CheckSet, LayerReveal, Point, RevealedRow, WireActivations};
 

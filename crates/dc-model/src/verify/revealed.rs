@@ -2,8 +2,8 @@
 //! product's row is the revealed one, tested by Freivalds; the attention is recomputed on the
 //! revealed cache; the rows the tested products make must open their commitments.
 
-use dc_kernels::commit::quantized_row_leaf;
-use dc_kernels::reveal::Opening;
+use dc_kernels::verify::commit::quantized_row_leaf;
+use dc_kernels::verify::reveal::Opening;
 use dc_kernels::{BlockScale, QuantizedRows, BLOCK};
 use dc_types::{CheckSet, Point};
 

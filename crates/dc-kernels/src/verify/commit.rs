@@ -13,8 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::exact::Exact;
 use crate::gemm::{Accumulators, Gemm};
-use crate::hash_many::Messages;
 use crate::quant::QuantizedRows;
+use crate::verify::hash_many::Messages;
 
 /// A 32-byte blake3 commitment.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
@@ -319,7 +319,7 @@ pub fn quantized_row_leaf(position: usize, k: usize, bytes: &[u8]) -> Commitment
     Commitment(*h.update(bytes).finalize().as_bytes())
 }
 
-/// Leaves wanted, queued to be hashed together ([`crate::hash_many`]: short rows hashed one
+/// Leaves wanted, queued to be hashed together ([`crate::verify::hash_many`]: short rows hashed one
 /// at a time leave BLAKE3's SIMD idle), in sets that are each committed as a product is
 /// (`gemm_commitment(leaves, cols, root)`): a prefill's rows of one product, or everything a
 /// decode step commits in a layer (its products' rows, its cache rows, its attention rows).
