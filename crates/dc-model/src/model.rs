@@ -606,25 +606,7 @@ impl Model {
         products: &mut dyn Products,
     ) -> Result<Option<Activations>> {
         let cfg = &self.config;
-        let (rows, start) = (x.rows(), x.start);
-        // The tensor's name is formatted only for an error: formatting it for every
-        // quantisation was an allocation, four per layer of every hop.
-        let quantize = |x: &[f32], k: usize, what: &str| {
-            QuantizedRows::quantize(x, rows, k, what).map_err(|e| match e {
-                KernelError::NonFinite {
-                    tensor,
-                    row,
-                    col,
-                    value,
-                } => KernelError::NonFinite {
-                    tensor: format!("layer {i} {tensor}"),
-                    row,
-                    col,
-                    value,
-                },
-                e => e,
-            })
-        };
+        let rows = x.rows();
         // What deriving refuses, refused where a check skips it: a row that is not finite.
         let finite = |x: &Activations, what: &str| match x.data.iter().position(|v| !v.is_finite())
         {
@@ -642,36 +624,10 @@ impl Model {
                 finite(&x, "attention input")?;
                 qc
             }
-            None => {
-                let h1 = self.norm(glue.attn_norm, &x.data);
-                let qx = quantize(&h1, cfg.hidden_size, "attention input")?;
-                let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-                products.linear(Point::Q, &qx, &mut q)?;
-                products.linear(Point::K, &qx, &mut k)?;
-                products.linear(Point::V, &qx, &mut v)?;
-                if !products.more() {
-                    return Ok(None);
-                }
-                if let Some(rope) = &self.rope {
-                    let hd = cfg.head_dim;
-                    for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
-                        for head in row.chunks_exact_mut(hd) {
-                            rope.apply(head, start + t);
-                        }
-                    }
-                    for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
-                        for head in row.chunks_exact_mut(hd) {
-                            rope.apply(head, start + t);
-                        }
-                    }
-                }
-                let ctx = products.attention(&q, &k, &v, start)?;
-                if !products.more() {
-                    return Ok(None);
-                }
-                let qc = quantize(&ctx, cfg.q_width(), "attention context")?;
-                products.quantized(Point::Context, qc)?
-            }
+            None => match self.attention_context(glue, i, &x, products)? {
+                Some(qc) => qc,
+                None => return Ok(None),
+            },
         };
         if !products.more() {
             return Ok(None);
@@ -691,30 +647,10 @@ impl Model {
                 finite(&x, "mlp input")?;
                 qa
             }
-            None => {
-                let h2 = self.norm(glue.mlp_norm, &x.data);
-                let qh = quantize(&h2, cfg.hidden_size, "mlp input")?;
-                let mut a = Vec::new();
-                if glue.gelu {
-                    products.linear(Point::Fc, &qh, &mut a)?;
-                    if !products.more() {
-                        return Ok(None);
-                    }
-                    for v in a.iter_mut() {
-                        *v = gelu_tanh(*v);
-                    }
-                } else {
-                    let mut u = Vec::new();
-                    products.linear(Point::Gate, &qh, &mut a)?;
-                    products.linear(Point::Up, &qh, &mut u)?;
-                    if !products.more() {
-                        return Ok(None);
-                    }
-                    silu_mul(&mut a, &u);
-                }
-                let qa = quantize(&a, cfg.intermediate_size, "mlp hidden")?;
-                products.quantized(Point::Hidden, qa)?
-            }
+            None => match self.mlp_hidden(glue, i, &x, products)? {
+                Some(qa) => qa,
+                None => return Ok(None),
+            },
         };
         if !products.more() {
             return Ok(None);
@@ -725,6 +661,84 @@ impl Model {
             *a += b;
         }
         Ok(Some(x))
+    }
+
+    /// [`Self::block`]'s attention up to the context the output projection takes: the norm,
+    /// q, k and v, RoPE, the attention and the context quantised, as `products` hands it on.
+    /// Apart so the block reads as its two halves; `None` when `products` stopped early.
+    fn attention_context(
+        &self,
+        glue: &Glue,
+        i: usize,
+        x: &Activations,
+        products: &mut dyn Products,
+    ) -> Result<Option<QuantizedRows>> {
+        let cfg = &self.config;
+        let (rows, start) = (x.rows(), x.start);
+        let h1 = self.norm(glue.attn_norm, &x.data);
+        let qx = quantize_in_layer(i, &h1, rows, cfg.hidden_size, "attention input")?;
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        products.linear(Point::Q, &qx, &mut q)?;
+        products.linear(Point::K, &qx, &mut k)?;
+        products.linear(Point::V, &qx, &mut v)?;
+        if !products.more() {
+            return Ok(None);
+        }
+        if let Some(rope) = &self.rope {
+            let hd = cfg.head_dim;
+            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+        }
+        let ctx = products.attention(&q, &k, &v, start)?;
+        if !products.more() {
+            return Ok(None);
+        }
+        let qc = quantize_in_layer(i, &ctx, rows, cfg.q_width(), "attention context")?;
+        Ok(Some(products.quantized(Point::Context, qc)?))
+    }
+
+    /// [`Self::block`]'s MLP up to the hidden rows the down projection takes: the norm, the
+    /// first products (GELU's one or SwiGLU's gate and up) and their activation, quantised, as
+    /// `products` hands them on. `None` when `products` stopped early.
+    fn mlp_hidden(
+        &self,
+        glue: &Glue,
+        i: usize,
+        x: &Activations,
+        products: &mut dyn Products,
+    ) -> Result<Option<QuantizedRows>> {
+        let cfg = &self.config;
+        let rows = x.rows();
+        let h2 = self.norm(glue.mlp_norm, &x.data);
+        let qh = quantize_in_layer(i, &h2, rows, cfg.hidden_size, "mlp input")?;
+        let mut a = Vec::new();
+        if glue.gelu {
+            products.linear(Point::Fc, &qh, &mut a)?;
+            if !products.more() {
+                return Ok(None);
+            }
+            for v in a.iter_mut() {
+                *v = gelu_tanh(*v);
+            }
+        } else {
+            let mut u = Vec::new();
+            products.linear(Point::Gate, &qh, &mut a)?;
+            products.linear(Point::Up, &qh, &mut u)?;
+            if !products.more() {
+                return Ok(None);
+            }
+            silu_mul(&mut a, &u);
+        }
+        let qa = quantize_in_layer(i, &a, rows, cfg.intermediate_size, "mlp hidden")?;
+        Ok(Some(products.quantized(Point::Hidden, qa)?))
     }
 
     /// Layer `i`, if loaded.
@@ -748,4 +762,30 @@ impl Model {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// `rows` rows of `x`, `k` wide, quantised for a product of layer `i`; a non-finite value is
+/// named with the layer. The tensor's name is formatted only for an error: formatting it for
+/// every quantisation was an allocation, four per layer of every hop.
+fn quantize_in_layer(
+    i: usize,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    what: &str,
+) -> std::result::Result<QuantizedRows, KernelError> {
+    QuantizedRows::quantize(x, rows, k, what).map_err(|e| match e {
+        KernelError::NonFinite {
+            tensor,
+            row,
+            col,
+            value,
+        } => KernelError::NonFinite {
+            tensor: format!("layer {i} {tensor}"),
+            row,
+            col,
+            value,
+        },
+        e => e,
+    })
 }

@@ -191,7 +191,9 @@ impl LayerChecker {
     }
 
     /// Checks the revealed `rows` of one position `pos` of `hop` (the cache holding `0..pos`
-    /// and, when the attention is recomputed, `cache_row` the revealed row of `pos`).
+    /// and, when the attention is recomputed, `cache_row` the revealed row of `pos`). In the
+    /// order a reveal's faults are named: the committed rows opened, the uncommitted sources
+    /// decoded, the reveal's rows accounted for, then the block rerun on them.
     #[allow(clippy::too_many_arguments)]
     fn check_row<'a>(
         &self,
@@ -204,39 +206,57 @@ impl LayerChecker {
         checks: CheckSet,
         hashes: &mut Hashes<'a>,
     ) -> std::result::Result<(), String> {
+        let l = self.layer as u32;
+        let needed = rows_needed(checks).rows;
+        let mut opened = self.open_committed(
+            model,
+            hop,
+            cache.row_bytes(),
+            product_rows,
+            pos,
+            checks,
+            hashes,
+        )?;
+        // Every row opened above, and the first row's revealed activations, open their
+        // commitments (hashed together).
+        hashes.verify(l, pos, &opened.values)?;
+        self.decode_sources(
+            product_rows,
+            needed,
+            tested_parts(checks),
+            &mut opened.values,
+        )?;
+        self.account_for(&opened, product_rows.len(), needed)?;
+        self.rerun_block(model, hop, cache, cache_row, pos, checks, opened)
+    }
+
+    /// Every product the checks need that the trace commits for this layer, once, opened
+    /// against its commitment (the hashes gathered into `hashes`, verified by the caller); the
+    /// attention products' rows and the MLP's hidden row are recomputed, so only their
+    /// openings are taken here (but for the context's values when they are the output
+    /// projection's input, and the hidden row's when they are the down projection's).
+    #[allow(clippy::too_many_arguments)]
+    fn open_committed<'a>(
+        &self,
+        model: &Model,
+        hop: HopRows<'a>,
+        cache_row_bytes: usize,
+        product_rows: &'a [RevealedRow],
+        pos: usize,
+        checks: CheckSet,
+        hashes: &mut Hashes<'a>,
+    ) -> std::result::Result<Opened<'a>, String> {
         let cfg = &model.config;
         let l = self.layer as u32;
-        let HopRows {
-            trace,
-            rows,
-            input,
-            next,
-        } = hop;
-        let index = pos - trace.from;
+        let HopRows { trace, rows, .. } = hop;
         let needs = rows_needed(checks);
-        let needed = needs.rows;
-        let tests = tested_parts(checks);
-        let the_row = |point: Point| {
-            let mut found = product_rows.iter().filter(|r| r.point == point);
-            match (found.next(), found.next()) {
-                (Some(row), None) => Ok(row),
-                _ => Err(format!("layer {l}: not exactly one {point:?} row revealed")),
-            }
-        };
-        // Every product the checks need, once, opened against its commitment; the attention
-        // products' rows and the MLP's hidden row are recomputed, so only their openings are
-        // taken here (but for the context's values when they are the output projection's
-        // input, and the hidden row's when they are the down projection's).
-        let mut values = Vec::new();
-        let mut context = None;
-        let mut hidden = None;
-        let mut kv_row = None;
+        let mut opened = Opened::default();
         for e in trace.entries.iter().filter(|e| e.layer == l) {
-            if matches!(e.point, Point::Input | Point::Output) || !needed.contains(e.point) {
+            if matches!(e.point, Point::Input | Point::Output) || !needs.rows.contains(e.point) {
                 continue;
             }
             let (cols, key) = match e.point {
-                Point::KvCache => (cache.row_bytes(), None),
+                Point::KvCache => (cache_row_bytes, None),
                 Point::Context => (cfg.q_width(), None),
                 Point::Hidden => (cfg.intermediate_size, None),
                 p => {
@@ -246,7 +266,7 @@ impl LayerChecker {
                     (key.cols(), Some(key))
                 }
             };
-            let row = the_row(e.point)?;
+            let row = the_row(product_rows, l, e.point)?;
             let opening = Opening {
                 commitment: &e.commitment,
                 rows,
@@ -257,15 +277,12 @@ impl LayerChecker {
                 root: &row.root,
                 path: &row.path,
             };
-            let opens = || {
-                format!(
-                    "layer {l}: the {:?} row at position {pos} does not open its commitment",
-                    e.point
-                )
-            };
             // Every field of a row is read, so a reveal says one thing only.
             if row.cols as usize != cols {
-                return Err(opens());
+                return Err(format!(
+                    "layer {l}: the {:?} row at position {pos} does not open its commitment",
+                    e.point
+                ));
             }
             if e.point == Point::KvCache {
                 // The row k and v make is recomputed; only its opening travels.
@@ -274,42 +291,15 @@ impl LayerChecker {
                         "layer {l}: the cache row carries values, but only its opening travels"
                     ));
                 }
-                kv_row = Some(opening);
+                opened.kv_row = Some(opening);
                 continue;
             }
             if matches!(e.point, Point::Context | Point::Hidden) {
-                if row.unit.is_some() {
-                    return Err(format!(
-                        "layer {l}: the {:?} row carries a product's unit",
-                        e.point
-                    ));
-                }
-                let committed = match needs.values(e.point) {
-                    // The next product's input as committed.
-                    true => {
-                        let what = match e.point {
-                            Point::Context => "context",
-                            _ => "hidden",
-                        };
-                        let decoded = QuantizedRows::decode_row(&row.encoding, cols)
-                            .map_err(|why| format!("layer {l}: the {what} row: {why}"))?;
-                        hashes.push(
-                            Message::QuantizedRow(cols, &row.encoding),
-                            Want::Opens(opening, e.point),
-                        );
-                        CommittedRow::Revealed(decoded)
-                    }
-                    false if !row.encoding.is_empty() => {
-                        return Err(format!(
-                            "layer {l}: the {:?} row carries values no check takes",
-                            e.point
-                        ))
-                    }
-                    false => CommittedRow::Opening(opening),
-                };
+                let committed =
+                    committed_quantized(l, e.point, row, opening, needs.values(e.point), hashes)?;
                 match e.point {
-                    Point::Context => context = Some(committed),
-                    _ => hidden = Some(committed),
+                    Point::Context => opened.context = Some(committed),
+                    _ => opened.hidden = Some(committed),
                 }
                 continue;
             }
@@ -319,25 +309,34 @@ impl LayerChecker {
             let (rounded, output_side) = decode_product_row(row, key, checks.contains(e.point))
                 .map_err(|why| format!("layer {l}: the {:?} row: {why}", e.point))?;
             hashes.push(
-                Message::ProductRow(values.len()),
+                Message::ProductRow(opened.values.len()),
                 Want::Opens(opening, e.point),
             );
-            values.push(RevealedValues {
+            opened.values.push(RevealedValues {
                 point: e.point,
                 rounded,
                 output_side,
             });
         }
-        // Every row opened above, and the first row's revealed activations, open their
-        // commitments (hashed together).
-        hashes.verify(l, pos, &values)?;
-        // The MLP's first products, which have no commitment of their own: each tested (its
-        // row then made into the hidden row, which must open the committed one).
+        Ok(opened)
+    }
+
+    /// The MLP's first products, which have no commitment of their own, decoded into `values`:
+    /// each one `needed`, tested when in `tests` (its row then made into the hidden row, which
+    /// must open the committed one).
+    fn decode_sources(
+        &self,
+        product_rows: &[RevealedRow],
+        needed: CheckSet,
+        tests: CheckSet,
+        values: &mut Vec<RevealedValues>,
+    ) -> std::result::Result<(), String> {
+        let l = self.layer as u32;
         for &(point, ref key, _) in &self.products {
             if point.output_committed() || !needed.contains(point) {
                 continue;
             }
-            let row = the_row(point)?;
+            let row = the_row(product_rows, l, point)?;
             if row.cols as usize != key.cols() {
                 return Err(format!(
                     "layer {l}: the {point:?} row has {} values",
@@ -360,13 +359,25 @@ impl LayerChecker {
                 output_side,
             });
         }
-        // Every row the checks need that the layer has was committed and revealed.
-        let found = values
+        Ok(())
+    }
+
+    /// That every row the checks need that the layer has was committed and revealed, and that
+    /// the reveal's `revealed` rows are those and no more.
+    fn account_for(
+        &self,
+        opened: &Opened<'_>,
+        revealed: usize,
+        needed: CheckSet,
+    ) -> std::result::Result<(), String> {
+        let l = self.layer as u32;
+        let found = opened
+            .values
             .iter()
             .map(|v| v.point)
-            .chain(context.as_ref().map(|_| Point::Context))
-            .chain(hidden.as_ref().map(|_| Point::Hidden))
-            .chain(kv_row.as_ref().map(|_| Point::KvCache))
+            .chain(opened.context.as_ref().map(|_| Point::Context))
+            .chain(opened.hidden.as_ref().map(|_| Point::Hidden))
+            .chain(opened.kv_row.as_ref().map(|_| Point::KvCache))
             .fold(CheckSet::EMPTY, CheckSet::with);
         let has = self.products.iter().map(|(p, _, _)| *p).fold(
             CheckSet::of(&[Point::Context, Point::Hidden, Point::KvCache]),
@@ -377,17 +388,40 @@ impl LayerChecker {
                 "layer {l}: the trace or the reveal lacks a row the check needs"
             ));
         }
-        if product_rows.len()
-            != values.len()
-                + context.is_some() as usize
-                + hidden.is_some() as usize
-                + kv_row.is_some() as usize
+        if revealed
+            != opened.values.len()
+                + opened.context.is_some() as usize
+                + opened.hidden.is_some() as usize
+                + opened.kv_row.is_some() as usize
         {
             return Err(format!(
                 "layer {l}: rows revealed that the trace does not commit or the check does \
                  not need"
             ));
         }
+        Ok(())
+    }
+
+    /// Reruns the layer's block at `pos` on the `opened` rows (the very glue a stage runs,
+    /// [`Revealed`] supplying the products): every drawn part must be tested inside it, and,
+    /// when the output is drawn, the block's output must be the revealed one bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn rerun_block(
+        &self,
+        model: &Model,
+        hop: HopRows<'_>,
+        cache: &mut LayerCache,
+        cache_row: &[u8],
+        pos: usize,
+        checks: CheckSet,
+        opened: Opened<'_>,
+    ) -> std::result::Result<(), String> {
+        let cfg = &model.config;
+        let l = self.layer as u32;
+        let HopRows {
+            trace, input, next, ..
+        } = hop;
+        let index = pos - trace.from;
         let x = Activations {
             start: pos,
             hidden: cfg.hidden_size,
@@ -400,13 +434,19 @@ impl LayerChecker {
         };
         // The hidden row is tested too when the first products are, and the cache row when k
         // and v are: what they make must be it.
-        let mut tests = tests;
+        let mut tests = tested_parts(checks);
         if !tests.intersection(MLP_FIRST).is_empty() {
             tests = tests.with(Point::Hidden);
         }
         if !tests.intersection(KEY_VALUE).is_empty() {
             tests = tests.with(Point::KvCache);
         }
+        let Opened {
+            values,
+            context,
+            hidden,
+            kv_row,
+        } = opened;
         let mut revealed = Revealed {
             checker: self,
             tests,
@@ -473,6 +513,73 @@ impl LayerChecker {
         cache
             .extend_encoded(&reveal.cache[..(pos - from) * rb])
             .map_err(|e| format!("layer {l}: {e}"))
+    }
+}
+
+/// The rows of one position a check opened against the trace's commitments
+/// ([`LayerChecker::open_committed`]), handed to the block's rerun.
+#[derive(Default)]
+struct Opened<'a> {
+    /// Weight products' rows (and then the uncommitted sources'), decoded.
+    values: Vec<RevealedValues>,
+    /// The context row, when the check needs it.
+    context: Option<CommittedRow<'a>>,
+    /// The MLP's hidden row, when the check needs it.
+    hidden: Option<CommittedRow<'a>>,
+    /// The opening of the position's cache row, when k and v are tested without the attention.
+    kv_row: Option<Opening<'a>>,
+}
+
+/// The one row of `point` among a position's revealed rows (two of one point would let a
+/// reveal say two things).
+fn the_row(
+    rows: &[RevealedRow],
+    l: u32,
+    point: Point,
+) -> std::result::Result<&RevealedRow, String> {
+    let mut found = rows.iter().filter(|r| r.point == point);
+    match (found.next(), found.next()) {
+        (Some(row), None) => Ok(row),
+        _ => Err(format!("layer {l}: not exactly one {point:?} row revealed")),
+    }
+}
+
+/// A committed quantised row of layer `l` (the context or the hidden row at `point`) as a check
+/// takes it: with its values, decoded and its leaf gathered into `hashes`, when `with_values`
+/// (it is the next product's input as committed); as its opening alone otherwise (what the
+/// check recomputes must open it).
+fn committed_quantized<'a>(
+    l: u32,
+    point: Point,
+    row: &'a RevealedRow,
+    opening: Opening<'a>,
+    with_values: bool,
+    hashes: &mut Hashes<'a>,
+) -> std::result::Result<CommittedRow<'a>, String> {
+    if row.unit.is_some() {
+        return Err(format!(
+            "layer {l}: the {point:?} row carries a product's unit"
+        ));
+    }
+    let cols = opening.cols;
+    match with_values {
+        true => {
+            let what = match point {
+                Point::Context => "context",
+                _ => "hidden",
+            };
+            let decoded = QuantizedRows::decode_row(&row.encoding, cols)
+                .map_err(|why| format!("layer {l}: the {what} row: {why}"))?;
+            hashes.push(
+                Message::QuantizedRow(cols, &row.encoding),
+                Want::Opens(opening, point),
+            );
+            Ok(CommittedRow::Revealed(decoded))
+        }
+        false if !row.encoding.is_empty() => Err(format!(
+            "layer {l}: the {point:?} row carries values no check takes"
+        )),
+        false => Ok(CommittedRow::Opening(opening)),
     }
 }
 
