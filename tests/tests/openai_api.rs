@@ -542,7 +542,7 @@ fn bad_requests(api: &str, model: &str, max_positions: usize) {
 #[test]
 fn openai_api_with_the_python_client_bad_requests_and_metrics() {
     let model = smollm2();
-    let (cfg, _) = dc_model::model::open_source(&model).unwrap();
+    let (cfg, _) = dc_model::open::open_source(&model).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path(), "a", &model, &["--layers", "0..30"]);
     let api = d.api.clone();

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 /// A memory budget that fits exactly `layers` layers of `model` (no head weights).
 fn budget_for(model: &Path, layers: u64) -> String {
-    let (cfg, _) = dc_model::model::open_source(model).unwrap();
+    let (cfg, _) = dc_model::open::open_source(model).unwrap();
     let per = dc_node::core::memory::layer_bytes(&cfg);
     // layers_that_fit keeps a tenth for caches; land in the middle of the interval.
     ((per * layers + per / 2) * 10 / 9).to_string()

@@ -9,25 +9,22 @@
 
 pub mod bench;
 pub mod buffer;
-pub mod commit;
 pub mod conformance;
 pub mod elementwise;
 pub mod error;
 pub mod exact;
 pub mod exp;
-pub mod freivalds;
 pub mod gemm;
 pub mod golden;
-pub mod hash_many;
 pub mod int8;
 pub mod pack;
 pub mod quant;
-pub mod reveal;
 pub mod rng;
+pub mod verify;
 
-pub use commit::{Commitment, Domain};
 pub use error::{KernelError, Result};
 pub use exact::Exact;
 pub use gemm::{Accumulators, Gemm, Kernel};
 pub use pack::{PackedWeights, WeightLayout};
 pub use quant::{BlockScale, QuantizedRows, BLOCK};
+pub use verify::{Commitment, Domain};

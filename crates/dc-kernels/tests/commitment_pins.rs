@@ -7,14 +7,14 @@
 
 #![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
 
-use dc_kernels::commit::{
+use dc_kernels::conformance::{matrix, Style};
+use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::commit::{
     commit_gemm, commit_gemm_at, commit_gemm_from, encode_exact, encode_row, encode_values,
     exact_row_leaf, gemm_commitment, merkle_root, rounded_row, row_leaf, row_leaf_at, Commitment,
     Domain,
 };
-use dc_kernels::conformance::{matrix, Style};
-use dc_kernels::reveal::leaf_of_encoding;
-use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::reveal::leaf_of_encoding;
 use dc_kernels::{
     Accumulators, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout, BLOCK,
 };

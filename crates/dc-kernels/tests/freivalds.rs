@@ -3,8 +3,8 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use dc_kernels::conformance::{matrix, Style};
-use dc_kernels::freivalds::FreivaldsKey;
 use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::freivalds::FreivaldsKey;
 use dc_kernels::{Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 use proptest::prelude::*;
 
@@ -26,13 +26,13 @@ proptest! {
         // The row-by-row forms a spot check uses agree: exact values, and their residues.
         let row = which % m;
         let values: Vec<_> = (0..n).map(|j| acc.get(row, j)).collect();
-        let residues: Vec<u64> = values.iter().map(dc_kernels::freivalds::exact_mod).collect();
+        let residues: Vec<u64> = values.iter().map(dc_kernels::verify::freivalds::exact_mod).collect();
         prop_assert!(key.check_values(&x, row, &values));
         prop_assert!(key.check_residues(&x, row, &residues));
         // A row in units form (as a stage reveals it) enters the test as it travelled: the
         // same side as its residues', and it holds.
         let side = key.output_side_of_residues(&residues).unwrap();
-        if let (Some(unit), sums) = dc_kernels::reveal::row_for_reveal(&acc, row) {
+        if let (Some(unit), sums) = dc_kernels::verify::reveal::row_for_reveal(&acc, row) {
             prop_assert_eq!(key.output_side_of_units(unit, &sums), Some(side));
             prop_assert!(key.holds(&x, row, side));
             prop_assert_eq!(key.output_side_of_units(unit, &sums[8..]), None);
@@ -57,8 +57,8 @@ proptest! {
             if changed != mant {
                 prop_assert_eq!(key.check(&x, &bad), Err(i / n));
                 let mut lie: Vec<u64> =
-                    (0..n).map(|c| dc_kernels::freivalds::exact_mod(&acc.get(r, c))).collect();
-                lie[j] = dc_kernels::freivalds::exact_mod(&bad.get(r, j));
+                    (0..n).map(|c| dc_kernels::verify::freivalds::exact_mod(&acc.get(r, c))).collect();
+                lie[j] = dc_kernels::verify::freivalds::exact_mod(&bad.get(r, j));
                 prop_assert!(!key.check_residues(&x, r, &lie));
                 prop_assert!(!key.check_residues(&x, r, &lie[1..]));
             }

@@ -3,13 +3,13 @@
 
 use std::path::PathBuf;
 
-use dc_kernels::commit::{
+use dc_kernels::conformance::{matrix, Style};
+use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::commit::{
     commit_gemm, gemm_commitment, merkle_proof, merkle_root, product_row_leaf, row_leaf,
     row_leaves, verify_merkle,
 };
-use dc_kernels::conformance::{matrix, Style};
-use dc_kernels::freivalds::FreivaldsKey;
-use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::freivalds::FreivaldsKey;
 use dc_kernels::{golden, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 
 #[test]

@@ -1,9 +1,9 @@
 //! Every kernel equals the scalar reference bit for bit, at every thread count, whatever the
 //! shape, magnitudes, exponent spans, zero blocks or ties (NUMERICS.md §6.1, §6.2).
 
-use dc_kernels::commit::commit_gemm;
 use dc_kernels::conformance::{matrix, Style};
 use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::commit::commit_gemm;
 use dc_kernels::{Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 use proptest::prelude::*;
 
@@ -420,7 +420,7 @@ proptest! {
             let from = first + skip;
             prop_assert_eq!(
                 g.commit_from(&y, (m, n), first, from),
-                dc_kernels::commit::commit_gemm_from(&acc, first, from),
+                dc_kernels::verify::commit::commit_gemm_from(&acc, first, from),
                 "{} threads", threads
             );
         }
@@ -442,7 +442,7 @@ proptest! {
         let one = Gemm::new(Kernel::best(), 1).unwrap();
         let acc = one.matmul_exact(&qx, &qw, &mut y).unwrap();
         let want = one.commit_leaves_from(&y, (1, n), 7, 7);
-        prop_assert_eq!(want.0, dc_kernels::commit::commit_gemm_at(&acc, 7));
+        prop_assert_eq!(want.0, dc_kernels::verify::commit::commit_gemm_at(&acc, 7));
         for threads in [2, 3] {
             let g = Gemm::new(Kernel::best(), threads).unwrap();
             prop_assert_eq!(&g.commit_leaves_from(&y, (1, n), 7, 7), &want, "{} threads", threads);

@@ -14,11 +14,11 @@
 //! the context row quantised as that projection takes it (since protocol 7, in the model's
 //! block), and a check of either product recomputes both.
 
-use dc_kernels::commit::LeafBatch;
 use dc_kernels::elementwise::softmax_with;
 use dc_kernels::exact::{exact_sum, round_i64_fast, Exact};
 use dc_kernels::int8;
 use dc_kernels::quant::{quantize_block, round_half_even, BlockScale, BLOCK, QMAX};
+use dc_kernels::verify::commit::LeafBatch;
 use dc_kernels::{Commitment, Domain};
 use rayon::prelude::*;
 
@@ -719,17 +719,7 @@ fn head_attention(
         ctx_acc,
         context,
     } = scratch;
-    qq.clear();
-    qq.resize(hb * BLOCK, 0);
-    qs.clear();
-    for (b, dst) in qq.chunks_exact_mut(BLOCK).enumerate() {
-        let vals = &qh[b * BLOCK..((b + 1) * BLOCK).min(hd)];
-        if let Some(x) = vals.iter().find(|x| !x.is_finite()) {
-            return Err(format!("query value {x} at position {pos}"));
-        }
-        let dst: &mut [i8; BLOCK] = dst.try_into().expect("block slice is BLOCK long");
-        qs.push(quantize_block(vals, dst));
-    }
+    quantize_query(qh, hd, hb, pos, qq, qs)?;
     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let (first_block, last_block) = (lo / BLOCK, pos / BLOCK);
     // Scores: the block products of every key of the blocks that hold keys `lo..=pos`, then
@@ -756,6 +746,66 @@ fn head_attention(
     let wide = simd && avx512::available();
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
+    scores_for(hb, simd, wide, qs, dots, keys, scale, pos, scores)?;
+    softmax_with(scores, exps);
+    let blocks = first_block..=last_block;
+    weighted_value_sums(
+        cache,
+        g,
+        scores,
+        lo,
+        pos,
+        blocks,
+        simd,
+        fetch_values,
+        ctx_scales,
+        ctx_acc,
+    );
+    context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
+}
+
+/// The query head `qh` (`hd` values) quantised into `hb` blocks (`qq`, with their scales in
+/// `qs`); a value that is not finite is refused, naming the position.
+#[inline(always)]
+fn quantize_query(
+    qh: &[f32],
+    hd: usize,
+    hb: usize,
+    pos: usize,
+    qq: &mut Vec<i8>,
+    qs: &mut Vec<BlockScale>,
+) -> Result<(), String> {
+    qq.clear();
+    qq.resize(hb * BLOCK, 0);
+    qs.clear();
+    for (b, dst) in qq.chunks_exact_mut(BLOCK).enumerate() {
+        let vals = &qh[b * BLOCK..((b + 1) * BLOCK).min(hd)];
+        if let Some(x) = vals.iter().find(|x| !x.is_finite()) {
+            return Err(format!("query value {x} at position {pos}"));
+        }
+        let dst: &mut [i8; BLOCK] = dst.try_into().expect("block slice is BLOCK long");
+        qs.push(quantize_block(vals, dst));
+    }
+    Ok(())
+}
+
+/// [`head_attention`]'s scores of keys `keys.first..=pos` into `scores`, by the loop for its
+/// `hb` query blocks and the CPU (`simd`: AVX2 detected and asked for; `wide`: AVX-512 as
+/// well); every loop gives the same bits. Inlined (`always`) so that splitting it out of the
+/// head's loop costs the hot path nothing.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn scores_for(
+    hb: usize,
+    simd: bool,
+    wide: bool,
+    qs: &[BlockScale],
+    dots: &[i32],
+    keys: KeyScales,
+    scale: f32,
+    pos: usize,
+    scores: &mut Vec<f32>,
+) -> Result<(), String> {
     match (hb, simd, wide) {
         // The common head widths (32, 64, 96, 128) with the block loop unrolled, sixteen keys
         // at a time where the CPU has AVX-512, four where it has AVX2.
@@ -782,13 +832,35 @@ fn head_attention(
         (3, ..) => scores_of::<3>(qs, dots, keys, scale, pos, scores),
         (4, ..) => scores_of::<4>(qs, dots, keys, scale, pos, scores),
         _ => scores_any(qs, dots, keys, scale, pos, scores),
-    }?;
-    softmax_with(scores, exps);
+    }
+}
+
+/// [`head_attention`]'s value side: for each block of keys in `blocks` (the keys `lo..=pos`
+/// among them), the probabilities `scores` times `2^e_v` quantised, and the block's value rows
+/// of kv head `g` times them summed into its own `hd` i32 sums at the end of `ctx_acc`, its
+/// scale pushed onto `ctx_scales` (a block whose probabilities are all zero adds neither).
+/// `fetch_values`: prefetch the value blocks ahead. Inlined (`always`) for the same reason as
+/// [`scores_for`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn weighted_value_sums(
+    cache: &LayerCache,
+    g: usize,
+    scores: &[f32],
+    lo: usize,
+    pos: usize,
+    blocks: std::ops::RangeInclusive<usize>,
+    simd: bool,
+    fetch_values: bool,
+    ctx_scales: &mut Vec<BlockScale>,
+    ctx_acc: &mut Vec<i32>,
+) {
+    let (hd, last_block) = (cache.head_dim, *blocks.end());
     // P' = P · 2^e_v, exact in f64, quantised in blocks of absolute key positions; each
     // block's value rows times its probabilities summed into its own i32 accumulators.
     ctx_scales.clear();
     ctx_acc.clear();
-    for b in first_block..=last_block {
+    for b in blocks {
         if fetch_values && b + VALUES_AHEAD <= last_block {
             prefetch(cache.value_block(b + VALUES_AHEAD, g));
         }
@@ -815,7 +887,6 @@ fn head_attention(
         int8::add_interleaved_rows(&mut ctx_acc[at..], cache.value_block(b, g), &weights);
         ctx_scales.push(s);
     }
-    context_outputs_by_block(out, ctx_scales, ctx_acc, context, pos)
 }
 
 /// [`scaled_probabilities`] and [`quantized_probabilities`]: where `simd` is asked for, their

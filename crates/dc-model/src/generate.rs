@@ -8,7 +8,8 @@ use dc_kernels::Gemm;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
-use crate::model::{KvCache, Model};
+use crate::kv_cache::KvCache;
+use crate::model::Model;
 use crate::sampling::{sample, SamplingParams};
 
 /// Splits `layers` layers into `stages` contiguous ranges of near-equal size.
@@ -199,7 +200,7 @@ impl TokenLoop {
 
 /// Commitment to a row of logits at position `pos` (compares runs bit for bit).
 pub fn logits_commitment(pos: usize, logits: &[f32]) -> dc_kernels::Commitment {
-    crate::model::Activations {
+    crate::activations::Activations {
         start: pos,
         hidden: logits.len(),
         data: logits.to_vec(),

@@ -99,7 +99,7 @@ pub fn cached_model_id(path: &Path, data_dir: &Path) -> Result<Commitment> {
             return Ok(c);
         }
     }
-    let (cfg, src) = crate::model::open_source(path)?;
+    let (cfg, src) = crate::open::open_source(path)?;
     let id = model_id(&cfg, src.as_ref())?;
     // The cache is an optimisation: failing to write it is not an error.
     if std::fs::create_dir_all(&dir).is_ok() {

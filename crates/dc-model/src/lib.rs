@@ -5,6 +5,7 @@
 
 #![deny(missing_docs)]
 
+pub mod activations;
 pub mod attention;
 pub mod config;
 pub mod error;
@@ -12,23 +13,27 @@ pub mod generate;
 pub mod gguf;
 pub mod hf;
 pub mod identity;
+pub mod kv_cache;
 pub mod model;
+pub mod open;
 mod progress;
-pub mod reveal;
 pub mod sampling;
 pub mod source;
 pub mod store;
 pub mod tokenizer;
+pub mod verify;
 pub mod weight_cache;
 /// What a stage commits to for one hop (defined in `dc-types`, shared with the network).
 pub use dc_types::trace;
 pub mod weights;
 
+pub use activations::Activations;
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
-pub use model::{Activations, KvCache, LoadOptions, Model};
-pub use reveal::{
+pub use kv_cache::KvCache;
+pub use model::{LoadOptions, Model};
+pub use source::{TensorInfo, TensorSource};
+pub use verify::{
     check_cache_rows, check_parts, check_picks, draw_checks, gemms_per_layer, goal_rate,
     rows_needed, tested_parts, CacheLog, KeptHop, LayerChecker, Needs, Pick,
 };
-pub use source::{TensorInfo, TensorSource};

@@ -10,183 +10,25 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use dc_kernels::commit::{activations_commitment, LeafBatch};
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
+use dc_kernels::verify::commit::LeafBatch;
 use dc_kernels::{Commitment, Gemm, KernelError, QuantizedRows};
 
+use crate::activations::Activations;
 use crate::attention::{
     attend_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::hf::{read_json, SafetensorsSource};
-use crate::reveal::{Kept, KeptHop, KeptLayer};
+use crate::kv_cache::KvCache;
+use crate::open::open_source;
 use crate::source::TensorSource;
 use crate::trace::{HopTrace, Point};
+use crate::verify::kept::{Kept, KeptHop, KeptLayer};
 use crate::weight_cache::WeightCache;
 use crate::weights::{
     check_range, load_head, load_layer, Head, KeptProduct, Layer, Mlp, Norm, RowLeaves,
 };
-
-/// Activations crossing a stage boundary: `rows` consecutive positions starting at `start`,
-/// each a `hidden`-wide f32 row.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Activations {
-    /// Absolute position of the first row.
-    pub start: usize,
-    /// Width of a row.
-    pub hidden: usize,
-    /// Row-major values, `rows × hidden`.
-    pub data: Vec<f32>,
-}
-
-impl Activations {
-    /// Number of rows (positions).
-    pub fn rows(&self) -> usize {
-        self.data.len() / self.hidden.max(1)
-    }
-
-    /// The positions covered.
-    pub fn positions(&self) -> Range<usize> {
-        self.start..self.start + self.rows()
-    }
-
-    /// The last row.
-    pub fn last_row(&self) -> Activations {
-        let r = self.rows();
-        Activations {
-            start: self.start + r - 1,
-            hidden: self.hidden,
-            data: self.data[(r - 1) * self.hidden..].to_vec(),
-        }
-    }
-
-    /// The rows at positions `from..` (all rows if `from` is before the first).
-    pub fn rows_from(&self, from: usize) -> Activations {
-        let skip = from.saturating_sub(self.start).min(self.rows());
-        Activations {
-            start: self.start + skip,
-            hidden: self.hidden,
-            data: self.data[skip * self.hidden..].to_vec(),
-        }
-    }
-
-    /// Canonical commitment to the activations (position, width, little-endian f32 bytes).
-    pub fn commitment(&self) -> Commitment {
-        activations_commitment(self.start, self.hidden, &self.data)
-    }
-
-    /// Refuses NaN and infinities, naming where they are.
-    pub fn check_finite(&self, stage: &str, layer: &str) -> Result<()> {
-        if let Some(i) = self.data.iter().position(|v| !v.is_finite()) {
-            return Err(ModelError::NonFinite {
-                stage: stage.into(),
-                layer: layer.into(),
-                detail: format!(
-                    "value {} at position {}, channel {}",
-                    self.data[i],
-                    self.start + i / self.hidden,
-                    i % self.hidden
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// The KV cache of one stage for one generation: one [`LayerCache`] per layer of the range.
-#[derive(Clone, Debug)]
-pub struct KvCache {
-    layers: Range<usize>,
-    caches: Vec<LayerCache>,
-}
-
-impl KvCache {
-    /// An empty cache for `layers` of a model.
-    pub fn new(cfg: &ModelConfig, layers: Range<usize>) -> KvCache {
-        KvCache {
-            caches: layers
-                .clone()
-                .map(|_| LayerCache::new(cfg.num_kv_heads, cfg.head_dim))
-                .collect(),
-            layers,
-        }
-    }
-
-    /// Positions held (the same in every layer).
-    pub fn len(&self) -> usize {
-        self.caches.first().map_or(0, LayerCache::len)
-    }
-
-    /// Whether nothing is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.caches.iter().map(LayerCache::bytes).sum()
-    }
-
-    /// Appends the positions encoded in `rows`, one entry per layer (see
-    /// [`LayerCache::from_encoded`]), as a peer revealed them; on an error nothing is appended.
-    pub fn extend_encoded(&mut self, rows: &[Vec<u8>]) -> Result<()> {
-        if rows.len() != self.caches.len() {
-            return Err(ModelError::Input(format!(
-                "cache rows of {} layers for layers {}..{}",
-                rows.len(),
-                self.layers.start,
-                self.layers.end
-            )));
-        }
-        let held = self.len();
-        let mut done = Ok(());
-        for (c, r) in self.caches.iter_mut().zip(rows) {
-            done = c.extend_encoded(r);
-            if done.is_err() {
-                break;
-            }
-        }
-        if done.is_ok() && self.caches.iter().any(|c| c.len() != self.caches[0].len()) {
-            done = Err(ModelError::Input(
-                "cache rows of different lengths for different layers".into(),
-            ));
-        }
-        if done.is_err() {
-            for c in &mut self.caches {
-                c.truncate(held);
-            }
-        }
-        done
-    }
-
-    /// The cache of `layer` (an absolute layer index), if this cache serves it.
-    pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
-        self.caches.get(layer.checked_sub(self.layers.start)?)
-    }
-
-    /// The cache of `layer`, to replace it (a test-only liar swaps in a tampered one).
-    pub fn layer_mut(&mut self, layer: usize) -> Option<&mut LayerCache> {
-        self.caches.get_mut(layer.checked_sub(self.layers.start)?)
-    }
-
-    /// The layers this cache serves.
-    pub fn layers(&self) -> Range<usize> {
-        self.layers.clone()
-    }
-
-    /// A copy of the caches of `layers` (a sub-range of ours).
-    pub fn sub(&self, layers: Range<usize>) -> Option<KvCache> {
-        if layers.start < self.layers.start || layers.end > self.layers.end || layers.is_empty() {
-            return None;
-        }
-        let a = layers.start - self.layers.start;
-        Some(KvCache {
-            caches: self.caches[a..a + layers.len()].to_vec(),
-            layers,
-        })
-    }
-}
 
 /// Where a block's products come from: run on the weights (a stage), or revealed by a stage
 /// and checked (a spot check). The glue between them is the same code either way, so a check
@@ -305,7 +147,7 @@ impl QueuedLayer {
     /// it, then the kept layer into the hop (`hashed`: `None` when nothing was queued).
     fn record(
         mut self,
-        hashed: Option<dc_kernels::commit::FinishedSets>,
+        hashed: Option<dc_kernels::verify::commit::FinishedSets>,
         trace: Option<&mut HopTrace>,
         keep: Option<&mut KeptHop>,
     ) {
@@ -475,32 +317,6 @@ impl std::fmt::Debug for Model {
             .field("head", &self.head.is_some())
             .finish()
     }
-}
-
-/// Opens a model's tensors and configuration: a Hugging Face folder or a GGUF file.
-pub fn open_source(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
-    if path.is_dir() {
-        let cfg = ModelConfig::from_hf_json(&read_json(&path.join("config.json"))?)?;
-        let src = SafetensorsSource::open_dir(path)?;
-        Ok((cfg, Box::new(src)))
-    } else if path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    {
-        open_gguf(path)
-    } else {
-        Err(ModelError::Input(format!(
-            "{}: expected a Hugging Face folder (with config.json) or a .gguf file",
-            path.display()
-        )))
-    }
-}
-
-/// Opens a GGUF file: its metadata becomes a Hugging Face style configuration.
-fn open_gguf(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
-    let g = crate::gguf::GgufFile::open(path)?;
-    let cfg = ModelConfig::from_hf_json(&g.hf_config()?)?;
-    Ok((cfg, Box::new(g)))
 }
 
 impl Model {
@@ -790,25 +606,7 @@ impl Model {
         products: &mut dyn Products,
     ) -> Result<Option<Activations>> {
         let cfg = &self.config;
-        let (rows, start) = (x.rows(), x.start);
-        // The tensor's name is formatted only for an error: formatting it for every
-        // quantisation was an allocation, four per layer of every hop.
-        let quantize = |x: &[f32], k: usize, what: &str| {
-            QuantizedRows::quantize(x, rows, k, what).map_err(|e| match e {
-                KernelError::NonFinite {
-                    tensor,
-                    row,
-                    col,
-                    value,
-                } => KernelError::NonFinite {
-                    tensor: format!("layer {i} {tensor}"),
-                    row,
-                    col,
-                    value,
-                },
-                e => e,
-            })
-        };
+        let rows = x.rows();
         // What deriving refuses, refused where a check skips it: a row that is not finite.
         let finite = |x: &Activations, what: &str| match x.data.iter().position(|v| !v.is_finite())
         {
@@ -826,36 +624,10 @@ impl Model {
                 finite(&x, "attention input")?;
                 qc
             }
-            None => {
-                let h1 = self.norm(glue.attn_norm, &x.data);
-                let qx = quantize(&h1, cfg.hidden_size, "attention input")?;
-                let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-                products.linear(Point::Q, &qx, &mut q)?;
-                products.linear(Point::K, &qx, &mut k)?;
-                products.linear(Point::V, &qx, &mut v)?;
-                if !products.more() {
-                    return Ok(None);
-                }
-                if let Some(rope) = &self.rope {
-                    let hd = cfg.head_dim;
-                    for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
-                        for head in row.chunks_exact_mut(hd) {
-                            rope.apply(head, start + t);
-                        }
-                    }
-                    for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
-                        for head in row.chunks_exact_mut(hd) {
-                            rope.apply(head, start + t);
-                        }
-                    }
-                }
-                let ctx = products.attention(&q, &k, &v, start)?;
-                if !products.more() {
-                    return Ok(None);
-                }
-                let qc = quantize(&ctx, cfg.q_width(), "attention context")?;
-                products.quantized(Point::Context, qc)?
-            }
+            None => match self.attention_context(glue, i, &x, products)? {
+                Some(qc) => qc,
+                None => return Ok(None),
+            },
         };
         if !products.more() {
             return Ok(None);
@@ -875,30 +647,10 @@ impl Model {
                 finite(&x, "mlp input")?;
                 qa
             }
-            None => {
-                let h2 = self.norm(glue.mlp_norm, &x.data);
-                let qh = quantize(&h2, cfg.hidden_size, "mlp input")?;
-                let mut a = Vec::new();
-                if glue.gelu {
-                    products.linear(Point::Fc, &qh, &mut a)?;
-                    if !products.more() {
-                        return Ok(None);
-                    }
-                    for v in a.iter_mut() {
-                        *v = gelu_tanh(*v);
-                    }
-                } else {
-                    let mut u = Vec::new();
-                    products.linear(Point::Gate, &qh, &mut a)?;
-                    products.linear(Point::Up, &qh, &mut u)?;
-                    if !products.more() {
-                        return Ok(None);
-                    }
-                    silu_mul(&mut a, &u);
-                }
-                let qa = quantize(&a, cfg.intermediate_size, "mlp hidden")?;
-                products.quantized(Point::Hidden, qa)?
-            }
+            None => match self.mlp_hidden(glue, i, &x, products)? {
+                Some(qa) => qa,
+                None => return Ok(None),
+            },
         };
         if !products.more() {
             return Ok(None);
@@ -909,6 +661,84 @@ impl Model {
             *a += b;
         }
         Ok(Some(x))
+    }
+
+    /// [`Self::block`]'s attention up to the context the output projection takes: the norm,
+    /// q, k and v, RoPE, the attention and the context quantised, as `products` hands it on.
+    /// Apart so the block reads as its two halves; `None` when `products` stopped early.
+    fn attention_context(
+        &self,
+        glue: &Glue,
+        i: usize,
+        x: &Activations,
+        products: &mut dyn Products,
+    ) -> Result<Option<QuantizedRows>> {
+        let cfg = &self.config;
+        let (rows, start) = (x.rows(), x.start);
+        let h1 = self.norm(glue.attn_norm, &x.data);
+        let qx = quantize_in_layer(i, &h1, rows, cfg.hidden_size, "attention input")?;
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        products.linear(Point::Q, &qx, &mut q)?;
+        products.linear(Point::K, &qx, &mut k)?;
+        products.linear(Point::V, &qx, &mut v)?;
+        if !products.more() {
+            return Ok(None);
+        }
+        if let Some(rope) = &self.rope {
+            let hd = cfg.head_dim;
+            for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+            for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.apply(head, start + t);
+                }
+            }
+        }
+        let ctx = products.attention(&q, &k, &v, start)?;
+        if !products.more() {
+            return Ok(None);
+        }
+        let qc = quantize_in_layer(i, &ctx, rows, cfg.q_width(), "attention context")?;
+        Ok(Some(products.quantized(Point::Context, qc)?))
+    }
+
+    /// [`Self::block`]'s MLP up to the hidden rows the down projection takes: the norm, the
+    /// first products (GELU's one or SwiGLU's gate and up) and their activation, quantised, as
+    /// `products` hands them on. `None` when `products` stopped early.
+    fn mlp_hidden(
+        &self,
+        glue: &Glue,
+        i: usize,
+        x: &Activations,
+        products: &mut dyn Products,
+    ) -> Result<Option<QuantizedRows>> {
+        let cfg = &self.config;
+        let rows = x.rows();
+        let h2 = self.norm(glue.mlp_norm, &x.data);
+        let qh = quantize_in_layer(i, &h2, rows, cfg.hidden_size, "mlp input")?;
+        let mut a = Vec::new();
+        if glue.gelu {
+            products.linear(Point::Fc, &qh, &mut a)?;
+            if !products.more() {
+                return Ok(None);
+            }
+            for v in a.iter_mut() {
+                *v = gelu_tanh(*v);
+            }
+        } else {
+            let mut u = Vec::new();
+            products.linear(Point::Gate, &qh, &mut a)?;
+            products.linear(Point::Up, &qh, &mut u)?;
+            if !products.more() {
+                return Ok(None);
+            }
+            silu_mul(&mut a, &u);
+        }
+        let qa = quantize_in_layer(i, &a, rows, cfg.intermediate_size, "mlp hidden")?;
+        Ok(Some(products.quantized(Point::Hidden, qa)?))
     }
 
     /// Layer `i`, if loaded.
@@ -932,4 +762,30 @@ impl Model {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// `rows` rows of `x`, `k` wide, quantised for a product of layer `i`; a non-finite value is
+/// named with the layer. The tensor's name is formatted only for an error: formatting it for
+/// every quantisation was an allocation, four per layer of every hop.
+fn quantize_in_layer(
+    i: usize,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    what: &str,
+) -> std::result::Result<QuantizedRows, KernelError> {
+    QuantizedRows::quantize(x, rows, k, what).map_err(|e| match e {
+        KernelError::NonFinite {
+            tensor,
+            row,
+            col,
+            value,
+        } => KernelError::NonFinite {
+            tensor: format!("layer {i} {tensor}"),
+            row,
+            col,
+            value,
+        },
+        e => e,
+    })
 }

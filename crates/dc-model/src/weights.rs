@@ -11,7 +11,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use dc_kernels::commit::LeafBatch;
+use dc_kernels::verify::commit::LeafBatch;
 use dc_kernels::{Accumulators, Gemm, PackedWeights, QuantizedRows, WeightLayout};
 use dc_types::Point;
 

@@ -15,8 +15,8 @@ mod common;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use common::*;
-use dc_kernels::reveal::revealed_values;
 use dc_kernels::rng::SplitMix64;
+use dc_kernels::verify::reveal::revealed_values;
 use dc_kernels::{Commitment, Gemm, Kernel};
 use dc_model::attention::LayerCache;
 use dc_model::trace::HopTrace;

@@ -9,8 +9,8 @@
 mod common;
 
 use common::*;
-use dc_kernels::commit::{exact_row_leaf, gemm_commitment, product_row_leaf};
-use dc_kernels::reveal::{decode_row, revealed_values, values_encoding};
+use dc_kernels::verify::commit::{exact_row_leaf, gemm_commitment, product_row_leaf};
+use dc_kernels::verify::reveal::{decode_row, revealed_values, values_encoding};
 use dc_kernels::{Exact, Gemm, Kernel};
 use dc_model::attention::LayerCache;
 use dc_model::trace::{HopTrace, Point};
@@ -972,7 +972,7 @@ fn the_goal_rate_is_the_least_that_meets_the_goal() {
 
 #[test]
 fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
-    use dc_kernels::commit::{merkle_proof, merkle_root};
+    use dc_kernels::verify::commit::{merkle_proof, merkle_root};
     for name in TINY {
         let (model, gemm, ids) = fixture(name, 1);
         let n = model.config.num_layers;

@@ -112,7 +112,7 @@ fn prove(model: &Model, key: &Keypair, layers: LayerRange, log: &Log) -> FraudPr
 
 fn check(p: &FraudProof) -> Result<(), String> {
     let path = fixture("llama");
-    let (cfg, _) = dc_model::model::open_source(&path).unwrap();
+    let (cfg, _) = dc_model::open::open_source(&path).unwrap();
     let layer = dc_node::check::proof::proof_layer(p).unwrap();
     // A third party loads only the layer the proof names.
     let one = Model::load(
@@ -295,7 +295,7 @@ fn a_record_that_contradicts_its_trace_is_a_proof_by_itself() {
         traces: vec![t.clone()],
         layer_inputs: vec![],
     };
-    let (cfg, _) = dc_model::model::open_source(&fixture("llama")).unwrap();
+    let (cfg, _) = dc_model::open::open_source(&fixture("llama")).unwrap();
     let gemm = Gemm::new(Kernel::best(), 1).unwrap();
     verify_proof(&p, ModelId::default(), &cfg, None, &gemm).unwrap();
     // The same claim against a consistent record does not hold.
@@ -422,7 +422,7 @@ fn damaged(bytes: &[u8], rng: &mut dc_kernels::rng::SplitMix64) -> Vec<u8> {
 #[test]
 fn damaged_or_crafted_proofs_never_hold_against_an_honest_stage_and_never_panic() {
     let model = Model::load(&fixture("llama"), &LoadOptions::default()).unwrap();
-    let (cfg, _) = dc_model::model::open_source(&fixture("llama")).unwrap();
+    let (cfg, _) = dc_model::open::open_source(&fixture("llama")).unwrap();
     let key = Keypair::generate_ed25519();
     let accused = key.public().to_peer_id().to_string();
     let layers = LayerRange { start: 0, end: 2 };

@@ -317,7 +317,7 @@ pub struct RevealedRow {
     /// A weight product's row in units form: the row's unit exponent, `encoding` then holding
     /// each value's `i64` sum (8 bytes, little-endian), column `c` worth `sum · 2^(unit +
     /// u_c)` with `u_c` the smallest block exponent of the weights' column `c`, which the
-    /// checker takes from its own copy (`dc_kernels::reveal::row_for_reveal`). `None` for the
+    /// checker takes from its own copy (`dc_kernels::verify::reveal::row_for_reveal`). `None` for the
     /// other encodings.
     pub unit: Option<i32>,
     /// A weight product's row: its exact accumulators, in units form (`unit`) or, when a value

@@ -12,7 +12,7 @@
 //! differing entry locates a lie to one product of one layer, or to one of the products and
 //! the glue step that one entry covers.
 
-use dc_kernels::commit::merkle_root;
+use dc_kernels::verify::commit::merkle_root;
 use dc_kernels::{Commitment, Domain};
 use serde::{Deserialize, Serialize};
 

@@ -81,18 +81,8 @@ unsafe fn run_avx2(
     let rows = x.rows();
     let nb = w.blocks();
     if rows < MR {
-        // Decode: no tile to fill, nothing to set up; each panel streams past the rows once.
-        for p in panels {
-            for row in 0..rows {
-                if fast_pair(x, row, w, p) {
-                    // SAFETY: AVX2 present; the row is in range and fast against the panel.
-                    unsafe { row1(x, row, w, p, sink)? };
-                } else {
-                    reference::fallback(x, row, w, p, sink)?;
-                }
-            }
-        }
-        return Ok(());
+        // SAFETY: AVX2 present (this function's own feature).
+        return unsafe { run_decode(x, w, panels, sink) };
     }
     let chunk = row_chunk(nb, MR);
     let mut mults: Vec<i32> = Vec::new();
@@ -113,16 +103,7 @@ unsafe fn run_avx2(
         let slow: Vec<usize> = (r0..r1).filter(|&r| !x.meta(r).fast).collect();
         // With the chunk's largest row bound, one test per panel usually clears every row.
         let max_bound = fast.iter().map(|&r| x.meta(r).bound).max().unwrap_or(0);
-        // The tiles' row multipliers, block-major, so the assembly reads one pointer.
-        mults.clear();
-        mults.resize(tiles.len() * nb * MR, 0);
-        for (t, tile) in tiles.iter().enumerate() {
-            for (r, &row) in tile.iter().enumerate() {
-                for (b, &m) in x.row_mult(row).iter().enumerate() {
-                    mults[(t * nb + b) * MR + r] = m;
-                }
-            }
-        }
+        tile_multipliers(x, &tiles, nb, &mut mults);
         accs.clear();
         accs.resize(tiles.len() * MR * 4, _mm256_setzero_si256());
         for p in panels.clone() {
@@ -150,57 +131,140 @@ unsafe fn run_avx2(
                 );
             }
             accs.fill(_mm256_setzero_si256());
-            let recs = &w.data()[p * nb * RECORD..(p + 1) * nb * RECORD];
-            // Passes of at most KC blocks, of equal length (18 blocks: 9 + 9, not 16 + 2).
-            let passes = nb.div_ceil(KC);
-            let mut b0 = 0;
-            for pass in 0..passes {
-                let len = (pass + 1) * nb / passes - b0;
-                // The first tile of a pass prefetches the records that follow it in memory
-                // (the next pass, or the next panel's first), which the other tiles of the
-                // chunk then find in L1 instead of waiting on L3 or memory.
-                let mut pf = len * RECORD;
-                for (t, tile) in tiles.iter().enumerate() {
-                    if !ok[t] {
-                        continue;
-                    }
-                    // SAFETY: AVX2; the record, row and multiplier spans start at block b0
-                    // and hold `len >= 1` more blocks; the accumulators are this tile's own.
-                    unsafe {
-                        asm_tile4(
-                            recs.as_ptr().add(b0 * RECORD),
-                            tile.map(|r| x.row_q(r).as_ptr().add(b0 * BLOCK)),
-                            nb * BLOCK,
-                            mults.as_ptr().add((t * nb + b0) * MR),
-                            accs.as_mut_ptr().add(t * MR * 4),
-                            len,
-                            pf,
-                        )
-                    };
-                    pf = 0;
-                }
-                b0 += len;
-            }
-            for (t, tile) in tiles.iter().enumerate() {
-                for (r, &row) in tile.iter().enumerate() {
-                    if !ok[t] {
-                        // A tile with a row too wide for this panel: row by row.
-                        if fast_pair(x, row, w, p) {
-                            // SAFETY: as above.
-                            unsafe { row1(x, row, w, p, sink)? };
-                        } else {
-                            reference::fallback(x, row, w, p, sink)?;
-                        }
-                        continue;
-                    }
-                    let a = &accs[(t * MR + r) * 4..(t * MR + r + 1) * 4];
-                    let ex = x.meta(row).exp_min;
-                    // SAFETY: AVX2 present.
-                    unsafe { finish_row(sink, row, w, p, ex, [a[0], a[1], a[2], a[3]])? };
-                }
-            }
+            // SAFETY: AVX2 present; `mults` and `accs` are sized for `tiles` above.
+            unsafe { tile_passes(x, w, p, &tiles, &ok, &mults, &mut accs) };
+            // SAFETY: AVX2 present; `accs` holds the passes' sums of every tile marked `ok`.
+            unsafe { finish_tiles(x, w, p, &tiles, &ok, &accs, sink)? };
         }
         r0 = r1;
+    }
+    Ok(())
+}
+
+// The pieces of [`run_avx2`] below are apart only so that it reads as its steps; each has one
+// caller, is `#[inline]` with the caller's own `avx2` feature (Rust refuses `inline(always)`
+// with `target_feature`), and so compiles into it as before (checked: no symbol of them is
+// left in the library).
+
+/// Decode (fewer rows than a tile): no tile to fill, nothing to set up; each panel streams
+/// past the rows once.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn run_decode(
+    x: &QuantizedRows,
+    w: &PackedWeights,
+    panels: Range<usize>,
+    sink: &Sink,
+) -> Result<()> {
+    for p in panels {
+        for row in 0..x.rows() {
+            if fast_pair(x, row, w, p) {
+                // SAFETY: AVX2 present; the row is in range and fast against the panel.
+                unsafe { row1(x, row, w, p, sink)? };
+            } else {
+                reference::fallback(x, row, w, p, sink)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `tiles`' row multipliers into `mults`, block-major, so the assembly reads one pointer.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn tile_multipliers(x: &QuantizedRows, tiles: &[[usize; MR]], nb: usize, mults: &mut Vec<i32>) {
+    mults.clear();
+    mults.resize(tiles.len() * nb * MR, 0);
+    for (t, tile) in tiles.iter().enumerate() {
+        for (r, &row) in tile.iter().enumerate() {
+            for (b, &m) in x.row_mult(row).iter().enumerate() {
+                mults[(t * nb + b) * MR + r] = m;
+            }
+        }
+    }
+}
+
+/// Every tile marked `ok` against panel `p`, its sums added into its own accumulators in
+/// `accs` (zeroed by the caller), in passes of at most [`KC`] blocks.
+///
+/// # Safety
+/// AVX2 must be present; `mults` and `accs` must be sized for `tiles` ([`tile_multipliers`],
+/// `MR * 4` vectors a tile), and `ok` hold one flag a tile.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn tile_passes(
+    x: &QuantizedRows,
+    w: &PackedWeights,
+    p: usize,
+    tiles: &[[usize; MR]],
+    ok: &[bool],
+    mults: &[i32],
+    accs: &mut [__m256i],
+) {
+    let nb = w.blocks();
+    let recs = &w.data()[p * nb * RECORD..(p + 1) * nb * RECORD];
+    // Passes of at most KC blocks, of equal length (18 blocks: 9 + 9, not 16 + 2).
+    let passes = nb.div_ceil(KC);
+    let mut b0 = 0;
+    for pass in 0..passes {
+        let len = (pass + 1) * nb / passes - b0;
+        // The first tile of a pass prefetches the records that follow it in memory
+        // (the next pass, or the next panel's first), which the other tiles of the
+        // chunk then find in L1 instead of waiting on L3 or memory.
+        let mut pf = len * RECORD;
+        for (t, tile) in tiles.iter().enumerate() {
+            if !ok[t] {
+                continue;
+            }
+            // SAFETY: AVX2; the record, row and multiplier spans start at block b0
+            // and hold `len >= 1` more blocks; the accumulators are this tile's own.
+            unsafe {
+                asm_tile4(
+                    recs.as_ptr().add(b0 * RECORD),
+                    tile.map(|r| x.row_q(r).as_ptr().add(b0 * BLOCK)),
+                    nb * BLOCK,
+                    mults.as_ptr().add((t * nb + b0) * MR),
+                    accs.as_mut_ptr().add(t * MR * 4),
+                    len,
+                    pf,
+                )
+            };
+            pf = 0;
+        }
+        b0 += len;
+    }
+}
+
+/// Every row of the `tiles` against panel `p` into `sink`: a tile marked `ok` from its sums in
+/// `accs` ([`tile_passes`]), any other row by row.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn finish_tiles(
+    x: &QuantizedRows,
+    w: &PackedWeights,
+    p: usize,
+    tiles: &[[usize; MR]],
+    ok: &[bool],
+    accs: &[__m256i],
+    sink: &Sink,
+) -> Result<()> {
+    for (t, tile) in tiles.iter().enumerate() {
+        for (r, &row) in tile.iter().enumerate() {
+            if !ok[t] {
+                // A tile with a row too wide for this panel: row by row.
+                if fast_pair(x, row, w, p) {
+                    // SAFETY: AVX2 present; the row is in range and fast against the panel.
+                    unsafe { row1(x, row, w, p, sink)? };
+                } else {
+                    reference::fallback(x, row, w, p, sink)?;
+                }
+                continue;
+            }
+            let a = &accs[(t * MR + r) * 4..(t * MR + r + 1) * 4];
+            let ex = x.meta(row).exp_min;
+            // SAFETY: AVX2 present.
+            unsafe { finish_row(sink, row, w, p, ex, [a[0], a[1], a[2], a[3]])? };
+        }
     }
     Ok(())
 }

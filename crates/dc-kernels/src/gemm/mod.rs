@@ -1,5 +1,6 @@
 //! The exact product `Y = X · W` (NUMERICS.md §3): kernel selection, threading, and the one
-//! place where results are rounded and committed.
+//! place where results are rounded. Committing to them is the verification's business
+//! (`verify::commit` adds those methods to [`Gemm`]); this module never hashes.
 //!
 //! Kernels differ only in how fast they compute the exact integer accumulators; all of them
 //! hand every output to the same [`sink::Sink`], so a kernel can never round differently (or,
@@ -202,52 +203,6 @@ impl Gemm {
             pool,
             sums: Arc::default(),
         })
-    }
-
-    /// The commitment to the rows of the `(rows, cols)` output `out` (the first row at position
-    /// `first`) from position `from` on, hashing the rows on this engine's threads (a
-    /// prefill commits many rows; the result does not depend on the thread count).
-    pub fn commit_from(
-        &self,
-        out: &[f32],
-        shape: (usize, usize),
-        first: usize,
-        from: usize,
-    ) -> crate::Commitment {
-        self.commit_leaves_from(out, shape, first, from).0
-    }
-
-    /// [`Self::commit_from`] with the committed rows' leaves (a stage keeps them to open a row
-    /// later without hashing it again).
-    pub fn commit_leaves_from(
-        &self,
-        out: &[f32],
-        shape: (usize, usize),
-        first: usize,
-        from: usize,
-    ) -> (crate::Commitment, Vec<crate::Commitment>) {
-        thread_local! {
-            // Reused, so a prefill's product does not fault in a fresh buffer for its rows.
-            static BATCH: std::cell::RefCell<crate::commit::LeafBatch> = Default::default();
-        }
-        BATCH.with_borrow_mut(|batch| {
-            batch.queue(out, shape, first, from);
-            let done = self.finish_leaves(batch, shape.0 > 1);
-            (done.commitments[0], done.leaves_of(0).to_vec())
-        })
-    }
-
-    /// [`LeafBatch::finish_sets`](crate::commit::LeafBatch::finish_sets) on this engine's
-    /// threads when it has several and `many` rows are queued (the bits do not depend on it).
-    pub fn finish_leaves(
-        &self,
-        batch: &mut crate::commit::LeafBatch,
-        many: bool,
-    ) -> crate::commit::FinishedSets {
-        match &self.pool {
-            Some(pool) if many => pool.install(|| batch.finish_sets(true)),
-            _ => batch.finish_sets(false),
-        }
     }
 
     /// Runs `a` and `b`, side by side on this engine's threads when it has several (each may

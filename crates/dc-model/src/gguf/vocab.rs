@@ -7,6 +7,8 @@
 //! same splits by hand). It must never guess: a tokenizer model or pre-tokenizer we do not
 //! know is an error, because a silently different tokenisation changes every output.
 
+use std::path::Path;
+
 use serde_json::{json, Map, Value as Json};
 
 use super::GgufFile;
@@ -91,23 +93,12 @@ fn pre_tokenizer(g: &GgufFile, pre: Option<&str>) -> Result<PreTokenizer> {
     })
 }
 
-/// Builds the `tokenizer.json` text for a `gpt2` (byte-level BPE) vocabulary.
+/// Builds the `tokenizer.json` text for a `gpt2` (byte-level BPE) vocabulary. The file's
+/// parts are read and refused in a fixed order (model, pre-tokenizer, tokens, merges, special
+/// tokens), so a malformed file always names the same fault first.
 pub(super) fn tokenizer_json(g: &GgufFile) -> Result<String> {
     let path = g.file_path();
-    let model = g.require_str("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        let detail = if model == "llama" {
-            "llama (SentencePiece) vocabularies are not supported yet; use the model's \
-             Hugging Face tokenizer.json"
-                .to_string()
-        } else {
-            model.to_string()
-        };
-        return Err(ModelError::Unsupported {
-            what: "GGUF tokenizer model",
-            value: format!("{detail} (in {})", path.display()),
-        });
-    }
+    require_byte_level_bpe(g)?;
     let pre = pre_tokenizer(g, g.get_str("tokenizer.ggml.pre")?)?;
     let tokens = g
         .get_str_array("tokenizer.ggml.tokens")?
@@ -128,95 +119,26 @@ pub(super) fn tokenizer_json(g: &GgufFile) -> Result<String> {
             ));
         }
     }
-
-    let mut vocab = Map::with_capacity(tokens.len());
-    for (id, tok) in tokens.iter().enumerate() {
-        if let Some(prev) = vocab.insert(tok.clone(), json!(id)) {
-            return Err(ModelError::format(
-                path,
-                format!(
-                    "token {tok:?} appears twice in tokenizer.ggml.tokens (ids {prev} and {id})"
-                ),
-            ));
-        }
-    }
-
-    let mut pairs = Vec::with_capacity(merges.len());
-    for (i, m) in merges.iter().enumerate() {
-        // llama.cpp splits at the first space after the first byte, so a merge whose left
-        // part is itself a space still parses.
-        // A space is one byte and never part of a multi-byte character, so both halves are
-        // valid UTF-8.
-        let split = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
-        let Some(p) = split else {
-            return Err(ModelError::format(
-                path,
-                format!(
-                    "tokenizer.ggml.merges[{i}] = {m:?} is not two tokens separated by a space"
-                ),
-            ));
-        };
-        pairs.push(json!([&m[..p], &m[p + 1..]]));
-    }
-
-    let special_id = |key: &str| -> Result<Option<u32>> {
-        match g.get_u64(key)? {
-            None => Ok(None),
-            Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
-            Some(id) => Err(ModelError::format(
-                path,
-                format!(
-                    "{key} = {id} is not a token id (vocabulary has {} tokens)",
-                    tokens.len()
-                ),
-            )),
-        }
-    };
-    let bos = special_id("tokenizer.ggml.bos_token_id")?;
-    let eos = special_id("tokenizer.ggml.eos_token_id")?;
-    let unk = special_id("tokenizer.ggml.unknown_token_id")?;
-    let pad = special_id("tokenizer.ggml.padding_token_id")?;
-
-    // Control and user-defined tokens are matched whole before pre-tokenisation and are
-    // special (skipped by `decode(.., skip_special_tokens = true)`). Files without token
-    // types still get their declared special tokens.
-    let mut special: Vec<u32> = match &types {
-        Some(t) => t
-            .iter()
-            .enumerate()
-            .filter(|(_, &ty)| ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED)
-            .map(|(id, _)| id as u32)
-            .collect(),
-        None => [bos, eos, unk, pad].into_iter().flatten().collect(),
-    };
-    special.sort_unstable();
-    special.dedup();
-    let added_tokens: Vec<Json> = special
-        .iter()
-        .map(|&id| {
-            json!({
-                "id": id,
-                "content": tokens[id as usize],
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": true,
-            })
-        })
-        .collect();
+    let vocab = vocab_ids(path, tokens)?;
+    let pairs = merge_pairs(path, merges)?;
+    let special = special_tokens(g, tokens, types.as_deref())?;
 
     let add_bos = g
         .get_bool("tokenizer.ggml.add_bos_token")?
         .unwrap_or(pre.default_add_bos);
     let add_eos = g.get_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-    let post_processor = post_processor(g, tokens, add_bos.then_some(bos), add_eos.then_some(eos))?;
+    let post_processor = post_processor(
+        g,
+        tokens,
+        add_bos.then_some(special.bos),
+        add_eos.then_some(special.eos),
+    )?;
 
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": added_tokens,
+        "added_tokens": special.added,
         "normalizer": pre.normalizer,
         "pre_tokenizer": pre.pre_tokenizer,
         "post_processor": post_processor,
@@ -240,6 +162,125 @@ pub(super) fn tokenizer_json(g: &GgufFile) -> Result<String> {
             path.display()
         ))
     })
+}
+
+/// Refuses a vocabulary that is not byte-level BPE (`tokenizer.ggml.model = gpt2`), naming
+/// the way out for SentencePiece ones.
+fn require_byte_level_bpe(g: &GgufFile) -> Result<()> {
+    let model = g.require_str("tokenizer.ggml.model")?;
+    if model == "gpt2" {
+        return Ok(());
+    }
+    let detail = if model == "llama" {
+        "llama (SentencePiece) vocabularies are not supported yet; use the model's \
+         Hugging Face tokenizer.json"
+            .to_string()
+    } else {
+        model.to_string()
+    };
+    Err(ModelError::Unsupported {
+        what: "GGUF tokenizer model",
+        value: format!("{detail} (in {})", g.file_path().display()),
+    })
+}
+
+/// The BPE model's `vocab`: each token to its id. A token listed twice is refused (the second
+/// id would silently shadow the first).
+fn vocab_ids(path: &Path, tokens: &[String]) -> Result<Map<String, Json>> {
+    let mut vocab = Map::with_capacity(tokens.len());
+    for (id, tok) in tokens.iter().enumerate() {
+        if let Some(prev) = vocab.insert(tok.clone(), json!(id)) {
+            return Err(ModelError::format(
+                path,
+                format!(
+                    "token {tok:?} appears twice in tokenizer.ggml.tokens (ids {prev} and {id})"
+                ),
+            ));
+        }
+    }
+    Ok(vocab)
+}
+
+/// The BPE model's `merges` as `[left, right]` pairs from llama.cpp's `"left right"` strings.
+fn merge_pairs(path: &Path, merges: &[String]) -> Result<Vec<Json>> {
+    let mut pairs = Vec::with_capacity(merges.len());
+    for (i, m) in merges.iter().enumerate() {
+        // llama.cpp splits at the first space after the first byte, so a merge whose left
+        // part is itself a space still parses.
+        // A space is one byte and never part of a multi-byte character, so both halves are
+        // valid UTF-8.
+        let split = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
+        let Some(p) = split else {
+            return Err(ModelError::format(
+                path,
+                format!(
+                    "tokenizer.ggml.merges[{i}] = {m:?} is not two tokens separated by a space"
+                ),
+            ));
+        };
+        pairs.push(json!([&m[..p], &m[p + 1..]]));
+    }
+    Ok(pairs)
+}
+
+/// The special tokens of a vocabulary: the declared BOS and EOS ids (for the post-processor)
+/// and the `added_tokens` entries.
+struct SpecialTokens {
+    bos: Option<u32>,
+    eos: Option<u32>,
+    added: Vec<Json>,
+}
+
+/// The declared special ids (each refused unless it is a token id) and the tokens matched
+/// whole before pre-tokenisation.
+fn special_tokens(g: &GgufFile, tokens: &[String], types: Option<&[i64]>) -> Result<SpecialTokens> {
+    let special_id = |key: &str| -> Result<Option<u32>> {
+        match g.get_u64(key)? {
+            None => Ok(None),
+            Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
+            Some(id) => Err(ModelError::format(
+                g.file_path(),
+                format!(
+                    "{key} = {id} is not a token id (vocabulary has {} tokens)",
+                    tokens.len()
+                ),
+            )),
+        }
+    };
+    let bos = special_id("tokenizer.ggml.bos_token_id")?;
+    let eos = special_id("tokenizer.ggml.eos_token_id")?;
+    let unk = special_id("tokenizer.ggml.unknown_token_id")?;
+    let pad = special_id("tokenizer.ggml.padding_token_id")?;
+
+    // Control and user-defined tokens are matched whole before pre-tokenisation and are
+    // special (skipped by `decode(.., skip_special_tokens = true)`). Files without token
+    // types still get their declared special tokens.
+    let mut special: Vec<u32> = match types {
+        Some(t) => t
+            .iter()
+            .enumerate()
+            .filter(|(_, &ty)| ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED)
+            .map(|(id, _)| id as u32)
+            .collect(),
+        None => [bos, eos, unk, pad].into_iter().flatten().collect(),
+    };
+    special.sort_unstable();
+    special.dedup();
+    let added = special
+        .iter()
+        .map(|&id| {
+            json!({
+                "id": id,
+                "content": tokens[id as usize],
+                "single_word": false,
+                "lstrip": false,
+                "rstrip": false,
+                "normalized": false,
+                "special": true,
+            })
+        })
+        .collect();
+    Ok(SpecialTokens { bos, eos, added })
 }
 
 /// `null` when nothing is added, else a TemplateProcessing that adds BOS and/or EOS the way

@@ -68,7 +68,7 @@ fn runner() -> Arc<dyn HopRunner> {
 fn start_node(
     cfg: NodeConfig,
 ) -> Result<(Arc<Node>, tokio::sync::mpsc::Receiver<dc_net::NetEvent>), String> {
-    let (model_cfg, _) = dc_model::model::open_source(&cfg.model).map_err(|e| e.to_string())?;
+    let (model_cfg, _) = dc_model::open::open_source(&cfg.model).map_err(|e| e.to_string())?;
     let model_id = ModelId(
         dc_model::identity::cached_model_id(&cfg.model, &cfg.data_dir)
             .map_err(|e| e.to_string())?,

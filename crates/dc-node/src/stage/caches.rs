@@ -276,7 +276,7 @@ mod tests {
     fn config() -> dc_model::ModelConfig {
         let fixture =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/llama");
-        dc_model::model::open_source(&fixture).unwrap().0
+        dc_model::open::open_source(&fixture).unwrap().0
     }
 
     #[test]

@@ -232,7 +232,7 @@ pub fn verify_proof(global: &Global, a: &crate::cli::VerifyProofArgs) -> Result<
     })?;
     let data = dc_model::store::data_dir()?;
     let model_id = dc_types::ModelId(dc_model::identity::cached_model_id(&path, &data)?);
-    let (cfg, _) = dc_model::model::open_source(&path)?;
+    let (cfg, _) = dc_model::open::open_source(&path)?;
     let layer = dc_node::check::proof::proof_layer(&proof);
     let model = match layer {
         Some(l) if (l as usize) < cfg.num_layers => Some(Model::load(

@@ -12,9 +12,9 @@ use std::sync::OnceLock;
 use serde::{Deserialize, Serialize};
 
 use crate::exact::Exact;
-use crate::gemm::Accumulators;
-use crate::hash_many::Messages;
+use crate::gemm::{Accumulators, Gemm};
 use crate::quant::QuantizedRows;
+use crate::verify::hash_many::Messages;
 
 /// A 32-byte blake3 commitment.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
@@ -319,7 +319,7 @@ pub fn quantized_row_leaf(position: usize, k: usize, bytes: &[u8]) -> Commitment
     Commitment(*h.update(bytes).finalize().as_bytes())
 }
 
-/// Leaves wanted, queued to be hashed together ([`crate::hash_many`]: short rows hashed one
+/// Leaves wanted, queued to be hashed together ([`crate::verify::hash_many`]: short rows hashed one
 /// at a time leave BLAKE3's SIMD idle), in sets that are each committed as a product is
 /// (`gemm_commitment(leaves, cols, root)`): a prefill's rows of one product, or everything a
 /// decode step commits in a layer (its products' rows, its cache rows, its attention rows).
@@ -538,6 +538,55 @@ impl FinishedSets {
     /// The leaves of set `set`.
     pub fn leaves_of(&self, set: usize) -> &[Commitment] {
         &self.leaves[self.ranges[set].clone()]
+    }
+}
+
+/// Committing to a product's f32 output on the engine that made it. These live here, not in
+/// `gemm`, so the product knows nothing of hashing and imports run one way: commitments over
+/// the product.
+impl Gemm {
+    /// The commitment to the rows of the `(rows, cols)` output `out` (the first row at position
+    /// `first`) from position `from` on, hashing the rows on this engine's threads (a
+    /// prefill commits many rows; the result does not depend on the thread count).
+    pub fn commit_from(
+        &self,
+        out: &[f32],
+        shape: (usize, usize),
+        first: usize,
+        from: usize,
+    ) -> Commitment {
+        self.commit_leaves_from(out, shape, first, from).0
+    }
+
+    /// [`Self::commit_from`] with the committed rows' leaves (a stage keeps them to open a row
+    /// later without hashing it again).
+    pub fn commit_leaves_from(
+        &self,
+        out: &[f32],
+        shape: (usize, usize),
+        first: usize,
+        from: usize,
+    ) -> (Commitment, Vec<Commitment>) {
+        thread_local! {
+            // Reused, so a prefill's product does not fault in a fresh buffer for its rows.
+            static BATCH: std::cell::RefCell<LeafBatch> = Default::default();
+        }
+        BATCH.with_borrow_mut(|batch| {
+            batch.queue(out, shape, first, from);
+            let done = self.finish_leaves(batch, shape.0 > 1);
+            (done.commitments[0], done.leaves_of(0).to_vec())
+        })
+    }
+
+    /// [`LeafBatch::finish_sets`] on this engine's threads when it has several and `many` rows
+    /// are queued (the bits do not depend on it). An engine has a pool exactly when it has more
+    /// than one thread, and [`Gemm::install`] runs on that pool.
+    pub fn finish_leaves(&self, batch: &mut LeafBatch, many: bool) -> FinishedSets {
+        if many && self.threads() > 1 {
+            self.install(|| batch.finish_sets(true))
+        } else {
+            batch.finish_sets(false)
+        }
     }
 }
 

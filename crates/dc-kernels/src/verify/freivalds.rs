@@ -186,7 +186,7 @@ impl FreivaldsKey {
 
     /// The unit exponent of each output column, as the kernels keep the product's exact
     /// accumulators ([`Accumulators::col_units`]): what a row revealed in units form is read
-    /// with ([`crate::reveal::decode_units_for_check`]).
+    /// with ([`crate::verify::reveal::decode_units_for_check`]).
     pub fn col_units(&self) -> &[i32] {
         &self.col_units[..self.r_units.len()]
     }

@@ -8,11 +8,11 @@
 //! Everything a revealed row carries comes from a peer that may lie, so decoding refuses
 //! malformed bytes with a reason and bounds what it allocates.
 
-use crate::commit::{
-    encode_row, encode_values, gemm_commitment, product_row_leaf, verify_merkle, Commitment,
-};
 use crate::exact::{round_i64_fast, Exact};
 use crate::gemm::{Accumulators, WIDE};
+use crate::verify::commit::{
+    encode_row, encode_values, gemm_commitment, product_row_leaf, verify_merkle, Commitment,
+};
 
 /// Most limbs a wide value may have on the wire (a real accumulator needs at most a handful).
 pub const MAX_WIDE_LIMBS: usize = 64;
@@ -109,7 +109,7 @@ pub fn decode_units_for_check(
     col_units: &[i32],
     want: Decode,
 ) -> Result<CheckedRow, String> {
-    use crate::freivalds::exact_mod;
+    use crate::verify::freivalds::exact_mod;
     let cols = col_units.len();
     if bytes.len() == cols * 8 && UNITS_EXP.contains(&unit) {
         // The usual row, in one tight pass; anything unusual takes the general path below,
@@ -151,8 +151,8 @@ pub fn values_encoding(values: &[Exact]) -> Vec<u8> {
 }
 
 /// The Merkle leaf of a row at absolute `position` whose `cols` exact values are encoded as
-/// `encoding`: the leaf of their roundings (the same leaf [`crate::commit::row_leaf_at`] and
-/// [`crate::commit::exact_row_leaf`] make). Refuses what [`decode_for_check`] refuses.
+/// `encoding`: the leaf of their roundings (the same leaf [`crate::verify::commit::row_leaf_at`] and
+/// [`crate::verify::commit::exact_row_leaf`] make). Refuses what [`decode_for_check`] refuses.
 pub fn leaf_of_encoding(
     position: usize,
     cols: usize,
@@ -218,7 +218,7 @@ pub fn decode_row(bytes: &[u8], cols: usize) -> Result<Vec<Exact>, String> {
 }
 
 /// A revealed row decoded for a check: each value modulo Freivalds' prime
-/// ([`crate::freivalds::exact_mod`]) and rounded to f32 as the stage's epilogue rounded it
+/// ([`crate::verify::freivalds::exact_mod`]) and rounded to f32 as the stage's epilogue rounded it
 /// ([`rounded`]), each only when asked for ([`Decode`]; empty otherwise). The same numbers as
 /// [`decode_row`] then those two maps, in one pass over the bytes and without building the
 /// exact values (property-tested against that).
@@ -252,7 +252,7 @@ impl Decode {
 /// what `want` asks for; refuses what [`decode_row`] refuses, and a value that overflows f32
 /// (no honest epilogue produces one) whatever is asked for.
 pub fn decode_for_check(bytes: &[u8], cols: usize, want: Decode) -> Result<CheckedRow, String> {
-    use crate::freivalds::exact_mod;
+    use crate::verify::freivalds::exact_mod;
     if bytes.len() == cols * 12 {
         // Every value small (12 bytes) is what a product nearly always gives: one tight pass,
         // leaving anything unusual (a wide value, an extreme exponent, an overflow) to the
@@ -321,7 +321,7 @@ pub fn decode_small_scalar(bytes: &[u8], residues: &mut [u64], rounded: &mut [f3
 /// when it is unusual (an exponent outside [`USUAL_EXP`], a rounding past f32).
 #[inline]
 fn small_value(mant: i64, exp: i32, i: usize, residues: &mut [u64], rounded: &mut [f32]) -> bool {
-    use crate::freivalds::small_mod;
+    use crate::verify::freivalds::small_mod;
     if !USUAL_EXP.contains(&exp) {
         return false;
     }
@@ -404,7 +404,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::USUAL_EXP;
-    use crate::freivalds::P;
+    use crate::verify::freivalds::P;
 
     /// The constants of [`four`].
     struct Consts {
@@ -675,7 +675,7 @@ impl Opening<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::commit::{exact_row_leaf, merkle_proof, merkle_root, Domain};
+    use crate::verify::commit::{exact_row_leaf, merkle_proof, merkle_root, Domain};
 
     fn values() -> Vec<Exact> {
         vec![
@@ -701,7 +701,10 @@ mod tests {
     fn checked_by_definition(bytes: &[u8], cols: usize) -> Result<CheckedRow, String> {
         let values = decode_row(bytes, cols)?;
         Ok(CheckedRow {
-            residues: values.iter().map(crate::freivalds::exact_mod).collect(),
+            residues: values
+                .iter()
+                .map(crate::verify::freivalds::exact_mod)
+                .collect(),
             rounded: values
                 .iter()
                 .enumerate()
@@ -863,7 +866,7 @@ mod tests {
     /// without bits below the shift, and exponents at the usual range's ends, at f32's top and
     /// in its subnormals.
     fn edge_value(rng: &mut crate::rng::SplitMix64) -> (i64, i32) {
-        const P: i64 = crate::freivalds::P as i64;
+        const P: i64 = crate::verify::freivalds::P as i64;
         let r = rng.next_u64();
         let mant = match r % 10 {
             0 => 0,
@@ -1028,7 +1031,7 @@ mod tests {
                     want = Err(format!("value {c} overflows f32"));
                     break;
                 };
-                row.residues.push(crate::freivalds::exact_mod(&v));
+                row.residues.push(crate::verify::freivalds::exact_mod(&v));
                 row.rounded.push(f);
             }
             let got = decode_units_for_check(unit, &bytes, &col_units, Decode::BOTH);
