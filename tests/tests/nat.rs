@@ -1,7 +1,8 @@
 //! NAT traversal for real: `scripts/nat-test.sh` builds a public network with a relay daemon
 //! and two homes behind their own MASQUERADE routers in network namespaces, and generates
-//! through daemons in both homes, first through the relay (direct packets blocked), then
-//! after the hole punch. Both must equal a local run, and the first must really be relayed.
+//! through daemons in both homes, first through the relay (direct packets blocked), then with
+//! the direct path open (hole punch tried). Both must equal a local run, and the first must
+//! really be relayed.
 //! Network namespaces need root, `ip` and `iptables` (`scripts/setup-tests.sh` installs them
 //! as root); without them the test says so and does nothing.
 
@@ -33,7 +34,7 @@ fn can_build_namespaces() -> Result<(), String> {
 }
 
 #[test]
-fn a_generation_crosses_two_nats_relayed_and_then_hole_punched() {
+fn a_generation_crosses_two_nats_through_the_relay() {
     if let Err(why) = can_build_namespaces() {
         eprintln!("SKIPPED: network namespaces need root, ip and iptables ({why})");
         return;

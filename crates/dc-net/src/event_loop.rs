@@ -75,6 +75,9 @@ pub struct EventLoop {
     /// Whether this is a private swarm (TCP only, pnet).
     private_swarm: bool,
     nat: NatConfig,
+    /// Whether we listen on an unspecified address (0.0.0.0 or ::): then the loopback
+    /// addresses it yields are no address for other machines.
+    listens_everywhere: bool,
     reachability: Reachability,
     reservations: Reservations,
     logged: LogOnce,
@@ -118,6 +121,15 @@ fn ip_of(addr: &Multiaddr) -> String {
             _ => None,
         })
         .unwrap_or_else(|| addr.to_string())
+}
+
+/// Whether an address is on the loopback interface.
+fn is_loopback(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => ip.is_loopback(),
+        Protocol::Ip6(ip) => ip.is_loopback(),
+        _ => false,
+    })
 }
 
 /// Whether a transport error is a failure to reach the address at all (refused, unreachable,
@@ -212,6 +224,13 @@ pub fn start(cfg: NetConfig) -> Result<(Client, mpsc::Receiver<NetEvent>, EventL
         bootstrap: cfg.bootstrap,
         connections: HashMap::new(),
         private_swarm: cfg.swarm_key.is_some(),
+        listens_everywhere: cfg.listen.iter().any(|a| {
+            a.iter().any(|p| match p {
+                Protocol::Ip4(ip) => ip.is_unspecified(),
+                Protocol::Ip6(ip) => ip.is_unspecified(),
+                _ => false,
+            })
+        }),
         reachability: cfg.nat.reachability.unwrap_or(Reachability::Unknown),
         nat: cfg.nat,
         reservations: Reservations::default(),
@@ -562,9 +581,13 @@ impl EventLoop {
                     info!("reachable through a relay at {address}");
                 } else {
                     info!("listening on {address}");
-                    if self.nat.reachability == Some(Reachability::Public) {
+                    if self.nat.reachability == Some(Reachability::Public)
+                        && !(self.listens_everywhere && is_loopback(&address))
+                    {
                         // The relay service hands its external addresses to the peers it
-                        // relays for: taken as public, our listen addresses are those.
+                        // relays for: taken as public, our listen addresses are those (but
+                        // not the loopback one of a wildcard listener: on another machine it
+                        // names that machine).
                         self.swarm.add_external_address(address.clone());
                     }
                 }
