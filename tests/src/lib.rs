@@ -278,3 +278,21 @@ pub fn swarm_with_liar(
     });
     (head, honest, liar)
 }
+
+/// A bare network node on loopback speaking our protocol, in no swarm and with no key (an
+/// intruder, or a stranger to a private swarm). Call inside a tokio runtime: its event loop is
+/// spawned there.
+pub fn bare_node(
+    topic: &str,
+) -> (
+    dc_net::Client,
+    tokio::sync::mpsc::Receiver<dc_net::NetEvent>,
+) {
+    let cfg = dc_net::NetConfig {
+        listen: vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
+        ..dc_net::NetConfig::new(libp2p::identity::Keypair::generate_ed25519(), topic.into())
+    };
+    let (client, events, ev_loop) = dc_net::start(cfg).unwrap();
+    tokio::spawn(ev_loop.run());
+    (client, events)
+}

@@ -759,15 +759,7 @@ async fn connection_limits_hold_against_a_crowd_of_intruders() {
     let addr: libp2p::Multiaddr = d.addr.parse().unwrap();
     let mut crowd = Vec::new();
     for _ in 0..6 {
-        let cfg = NetConfig {
-            listen: vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
-            ..NetConfig::new(
-                libp2p::identity::Keypair::generate_ed25519(),
-                "crowd".into(),
-            )
-        };
-        let (client, events, ev_loop) = dc_net::start(cfg).unwrap();
-        tokio::spawn(ev_loop.run());
+        let (client, events) = bare_node("crowd");
         for _ in 0..2 {
             let _ = client.dial(addr.clone()).await;
         }

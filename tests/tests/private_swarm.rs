@@ -10,7 +10,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use dc_net::NetConfig;
 use dc_tests::*;
 
 const ARGS: [&str; 8] = [
@@ -135,15 +134,7 @@ fn members_generate_and_outsiders_cannot_join() {
     // An intruder dialling again and again is logged once.
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let cfg = NetConfig {
-            listen: vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()],
-            ..NetConfig::new(
-                libp2p::identity::Keypair::generate_ed25519(),
-                "intruder".into(),
-            )
-        };
-        let (client, _events, ev_loop) = dc_net::start(cfg).unwrap();
-        tokio::spawn(ev_loop.run());
+        let (client, _events) = bare_node("intruder");
         for _ in 0..6 {
             let _ = client.dial(head.addr.parse().unwrap()).await;
             tokio::time::sleep(Duration::from_millis(300)).await;
