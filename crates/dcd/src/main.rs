@@ -1,13 +1,13 @@
-//! `dcd`: the DaisyChain daemon and command line. Parsing lives here; every command's work
-//! lives in the library crates, and each command module only wires them together and prints.
+//! `dcd`: the DaisyChain daemon and command line. Parsing lives in the library half
+//! (`lib.rs`); every command's work lives in the library crates, and each command module only
+//! wires them together and prints.
 
-mod cli;
 mod cmd;
-mod config;
 
 use std::process::ExitCode;
 
 use clap::Parser;
+use dcd::{cli, config};
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();

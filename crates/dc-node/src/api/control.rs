@@ -19,7 +19,7 @@ use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode, Wir
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::core::Node;
+use super::served::Served;
 use crate::daemon::Daemon;
 use crate::head::start_generation;
 
@@ -81,19 +81,18 @@ async fn status(State(d): State<Daemon>) -> Response {
 }
 
 /// Validates a body into a generation request.
-pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, String> {
+pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest, String> {
     let prompt = match (b.prompt, b.prompt_ids) {
         (Some(_), Some(_)) => return Err("give either prompt or prompt_ids, not both".into()),
         (None, None) => return Err("give prompt or prompt_ids".into()),
         (None, Some(ids)) => ids,
-        (Some(text), None) => node
+        (Some(text), None) => served
             .tokenizer
-            .as_ref()
             .ok_or("this model has no tokenizer: give prompt_ids")?
             .encode(&text, false)
             .map_err(|e| e.to_string())?,
     };
-    let max = node.model_cfg.max_positions;
+    let max = served.max_positions;
     if prompt.is_empty() || prompt.len() >= max {
         return Err(format!(
             "the prompt has {} tokens; it must have 1 to {}",
@@ -103,11 +102,11 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
     }
     if let Some(t) = prompt
         .iter()
-        .find(|&&t| t as usize >= node.model_cfg.vocab_size)
+        .find(|&&t| t as usize >= served.vocab_size)
     {
         return Err(format!(
             "token id {t} is out of range (vocabulary of {})",
-            node.model_cfg.vocab_size
+            served.vocab_size
         ));
     }
     if b.max_new_tokens as usize > max {
@@ -126,7 +125,7 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
     let verify = match b.verify.as_deref() {
         Some("all") => VerifyMode::All,
         None | Some("sample") => {
-            let rate = b.audit_rate.unwrap_or(node.cfg.audit_rate);
+            let rate = b.audit_rate.unwrap_or(served.audit_rate);
             if !(0.0..=1.0).contains(&rate) {
                 return Err(format!("audit_rate {rate} must be between 0 and 1"));
             }
@@ -135,7 +134,7 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
         Some(other) => return Err(format!("verify {other:?}: expected \"all\" or \"sample\"")),
     };
     Ok(GenerationRequest {
-        model_id: node.model_id,
+        model_id: served.model_id,
         generation: GenerationId::new_random(),
         prompt,
         max_new_tokens: b.max_new_tokens,
@@ -148,11 +147,11 @@ pub fn to_request(node: &Node, b: GenerateBody) -> Result<GenerationRequest, Str
         stop_tokens: if b.ignore_eos {
             Vec::new()
         } else {
-            node.special.eos.clone()
+            served.eos.to_vec()
         },
         chunk: b
             .chunk
-            .unwrap_or(node.cfg.chunk as u32)
+            .unwrap_or(served.chunk as u32)
             .clamp(1, crate::stage::MAX_HOP_ROWS as u32),
         verify,
         resume: Vec::new(),
@@ -168,7 +167,7 @@ async fn generate(
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
     };
-    let req = match to_request(node, body) {
+    let req = match to_request(&Served::of(node), body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };

@@ -33,6 +33,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
+use super::served::{model_name, Served};
 use crate::core::Node;
 use crate::daemon::Daemon;
 use crate::head::start_generation;
@@ -244,8 +245,10 @@ fn never(_: &Value) -> bool {
 
 /// Which endpoint a generation answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Endpoint {
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`.
     Chat,
+    /// `POST /v1/completions`.
     Completion,
 }
 
@@ -270,6 +273,50 @@ impl Endpoint {
             Endpoint::Completion => "cmpl-",
         }
     }
+}
+
+/// A request body translated into the generation to run and how to answer it.
+#[derive(Debug)]
+pub struct Translated {
+    /// The endpoint asked.
+    pub endpoint: Endpoint,
+    /// The model's name, as the answer gives it.
+    pub model: String,
+    /// The generation (its id fresh).
+    pub request: GenerationRequest,
+    /// `stop` strings, matched on the decoded text.
+    pub stop: Vec<String>,
+    /// Whether to stream the answer as server-sent events.
+    pub stream: bool,
+    /// Whether a stream ends with a usage chunk.
+    pub include_usage: bool,
+}
+
+/// Translates a request body of `endpoint`: every field checked, the prompt tokenized (or
+/// rendered with the chat template) and checked against the model. An error names the
+/// parameter at fault; nothing a body holds may panic here.
+pub fn translate(served: &Served, endpoint: Endpoint, body: Value) -> Result<Translated, ApiError> {
+    let mut f = Fields::new(body)?;
+    let model = check_model(served, &mut f)?;
+    let tok = tokenizer(served)?;
+    refuse_unsupported(&mut f, endpoint)?;
+    let p = params(served, &mut f, endpoint)?;
+    let (prompt, param) = match endpoint {
+        Endpoint::Completion => (completion_prompt(tok, f.take::<Value>("prompt")?)?, "prompt"),
+        Endpoint::Chat => (
+            chat_prompt(served, tok, f.take::<Value>("messages")?)?,
+            "messages",
+        ),
+    };
+    let request = request(served, GenerationId::new_random(), prompt, &p, param)?;
+    Ok(Translated {
+        endpoint,
+        model,
+        request,
+        stop: p.stop,
+        stream: p.stream,
+        include_usage: p.include_usage,
+    })
 }
 
 /// Refuses the parameters asking for what this server does not do (more than one choice,
@@ -355,8 +402,8 @@ struct Params {
 /// end-of-sequence tokens, for benchmarks) are extensions vLLM takes too; a missing `seed` is
 /// drawn at random, so that two identical requests without one differ as they do at OpenAI
 /// (with `temperature: 0` the seed does not matter).
-fn params(node: &Node, f: &mut Fields, endpoint: Endpoint) -> Result<Params, ApiError> {
-    let max_positions = node.model_cfg.max_positions;
+fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params, ApiError> {
+    let max_positions = served.max_positions;
     // Chat's newer name wins over the deprecated one, as at OpenAI.
     let (name, max_tokens) = match endpoint {
         Endpoint::Chat => match f.take::<u32>("max_completion_tokens")? {
@@ -496,40 +543,11 @@ fn stop_strings(v: Option<Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-/// The name the API serves the model under: the model file's name without `.gguf` (the
-/// folder's name for a Hugging Face folder). It depends on nothing but the path, so it stays
-/// the same across restarts, and daemons of one swarm started from the same file agree on it.
-pub fn model_name(node: &Node) -> String {
-    let name = node
-        .cfg
-        .model
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_default();
-    let name = match name.len().checked_sub(".gguf".len()) {
-        Some(cut) if name.is_char_boundary(cut) && name[cut..].eq_ignore_ascii_case(".gguf") => {
-            &name[..cut]
-        }
-        _ => name,
-    };
-    if name.is_empty() {
-        format!("dcd-{}", node.model_id.short())
-    } else {
-        name.to_string()
-    }
-}
-
-/// Whether `requested` names the model we serve: its name or its DaisyChain model id.
-fn is_our_model(node: &Node, requested: &str) -> bool {
-    requested == model_name(node) || requested.eq_ignore_ascii_case(&node.model_id.to_string())
-}
-
 /// Checks the `model` field. A request without one gets the served model (there is only one).
-fn check_model(node: &Node, f: &mut Fields) -> Result<String, ApiError> {
-    let name = model_name(node);
+fn check_model(served: &Served, f: &mut Fields) -> Result<String, ApiError> {
     match f.take::<String>("model")? {
-        Some(m) if !is_our_model(node, &m) => Err(model_not_found(&name, &m)),
-        _ => Ok(name),
+        Some(m) if !served.is(&m) => Err(model_not_found(&served.name, &m)),
+        _ => Ok(served.name.clone()),
     }
 }
 
@@ -563,8 +581,8 @@ fn model_object(node: &Node) -> Value {
     })
 }
 
-fn tokenizer(node: &Node) -> Result<&Tokenizer, ApiError> {
-    node.tokenizer.as_ref().ok_or_else(|| {
+fn tokenizer<'a>(served: &Served<'a>) -> Result<&'a Tokenizer, ApiError> {
+    served.tokenizer.ok_or_else(|| {
         ApiError::bad_request(
             "this model has no tokenizer, and the OpenAI API needs one to return text: use POST /generate with prompt_ids",
         )
@@ -615,8 +633,8 @@ fn completion_prompt(tok: &Tokenizer, v: Option<Value>) -> Result<Vec<u32>, ApiE
 
 /// `messages`, rendered with the model's chat template (with the assistant's turn opened) and
 /// tokenized without added special tokens: the template writes those itself.
-fn chat_prompt(node: &Node, tok: &Tokenizer, v: Option<Value>) -> Result<Vec<u32>, ApiError> {
-    let template = node.chat.as_ref().ok_or_else(|| {
+fn chat_prompt(served: &Served, tok: &Tokenizer, v: Option<Value>) -> Result<Vec<u32>, ApiError> {
+    let template = served.chat.ok_or_else(|| {
         ApiError::bad_request(
             "this model has no chat template: use /v1/completions with a prompt you format yourself",
         )
@@ -733,13 +751,13 @@ fn message(i: usize, m: Value) -> Result<ChatMessage, ApiError> {
 
 /// Checks the prompt against the model and builds the generation request.
 fn request(
-    node: &Node,
+    served: &Served,
     generation: GenerationId,
     prompt: Vec<u32>,
     p: &Params,
     param: &str,
 ) -> Result<GenerationRequest, ApiError> {
-    let max = node.model_cfg.max_positions;
+    let max = served.max_positions;
     if prompt.is_empty() {
         return Err(ApiError::invalid(param, "the prompt is empty"));
     }
@@ -754,7 +772,7 @@ fn request(
         )
         .code("context_length_exceeded"));
     }
-    let vocab = node.model_cfg.vocab_size;
+    let vocab = served.vocab_size;
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid(
             param,
@@ -771,7 +789,7 @@ fn request(
         .validate()
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     Ok(GenerationRequest {
-        model_id: node.model_id,
+        model_id: served.model_id,
         generation,
         prompt,
         max_new_tokens: p.max_tokens,
@@ -784,10 +802,10 @@ fn request(
         stop_tokens: if p.ignore_eos {
             Vec::new()
         } else {
-            node.special.eos.clone()
+            served.eos.to_vec()
         },
-        chunk: (node.cfg.chunk as u32).clamp(1, crate::stage::MAX_HOP_ROWS as u32),
-        verify: dc_types::VerifyMode::Sampled(node.cfg.audit_rate),
+        chunk: (served.chunk as u32).clamp(1, crate::stage::MAX_HOP_ROWS as u32),
+        verify: dc_types::VerifyMode::Sampled(served.audit_rate),
         resume: Vec::new(),
     })
 }
@@ -1092,27 +1110,16 @@ fn unix_now() -> u64 {
 }
 
 /// Runs a generation and answers it, whole or streamed.
-async fn generate(
-    d: Daemon,
-    endpoint: Endpoint,
-    model: String,
-    tok: Tokenizer,
-    prompt: Vec<u32>,
-    p: Params,
-) -> Result<Response, ApiError> {
-    let generation = GenerationId::new_random();
-    let param = match endpoint {
-        Endpoint::Chat => "messages",
-        Endpoint::Completion => "prompt",
-    };
-    let prompt_tokens = prompt.len();
-    let req = request(&d.node, generation, prompt, &p, param)?;
-    let run = Running::start(&d, req).await?;
+async fn generate(d: Daemon, t: Translated) -> Result<Response, ApiError> {
+    let tok = tokenizer(&Served::of(&d.node))?.clone();
+    let generation = t.request.generation;
+    let prompt_tokens = t.request.prompt.len();
+    let run = Running::start(&d, t.request).await?;
     let meta = Meta {
-        endpoint,
-        id: format!("{}{generation}", endpoint.id_prefix()),
+        endpoint: t.endpoint,
+        id: format!("{}{generation}", t.endpoint.id_prefix()),
         created: unix_now(),
-        model,
+        model: t.model,
         // OpenAI's field for "the backend configuration that affects determinism".
         fingerprint: format!(
             "dcd-{}-{}",
@@ -1121,9 +1128,9 @@ async fn generate(
         ),
         prompt_tokens,
     };
-    let out = Output::new(&tok, p.stop);
-    if p.stream {
-        return Ok(stream(meta, run, out, p.include_usage));
+    let out = Output::new(&tok, t.stop);
+    if t.stream {
+        return Ok(stream(meta, run, out, t.include_usage));
     }
     let (text, reason, completion_tokens) = collect(run, out).await?;
     Ok(Json(meta.response(text, reason, completion_tokens)).into_response())
@@ -1223,35 +1230,22 @@ async fn completions(
     State(d): State<Daemon>,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
-    async {
-        let node = &d.node;
-        let Json(body) = body.map_err(|e| from_rejection(&e))?;
-        let mut f = Fields::new(body)?;
-        let model = check_model(node, &mut f)?;
-        let tok = tokenizer(node)?.clone();
-        refuse_unsupported(&mut f, Endpoint::Completion)?;
-        let p = params(node, &mut f, Endpoint::Completion)?;
-        let prompt = completion_prompt(&tok, f.take::<Value>("prompt")?)?;
-        generate(d.clone(), Endpoint::Completion, model, tok, prompt, p).await
-    }
-    .await
-    .unwrap_or_else(IntoResponse::into_response)
+    answer(d, Endpoint::Completion, body).await
 }
 
 async fn chat_completions(
     State(d): State<Daemon>,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
+    answer(d, Endpoint::Chat, body).await
+}
+
+/// Answers a generation endpoint's request.
+async fn answer(d: Daemon, endpoint: Endpoint, body: Result<Json<Value>, JsonRejection>) -> Response {
     async {
-        let node = &d.node;
         let Json(body) = body.map_err(|e| from_rejection(&e))?;
-        let mut f = Fields::new(body)?;
-        let model = check_model(node, &mut f)?;
-        let tok = tokenizer(node)?.clone();
-        refuse_unsupported(&mut f, Endpoint::Chat)?;
-        let p = params(node, &mut f, Endpoint::Chat)?;
-        let prompt = chat_prompt(node, &tok, f.take::<Value>("messages")?)?;
-        generate(d.clone(), Endpoint::Chat, model, tok, prompt, p).await
+        let t = translate(&Served::of(&d.node), endpoint, body)?;
+        generate(d.clone(), t).await
     }
     .await
     .unwrap_or_else(IntoResponse::into_response)
@@ -1262,11 +1256,11 @@ async fn models(State(d): State<Daemon>) -> Response {
 }
 
 async fn model(State(d): State<Daemon>, Path(name): Path<String>) -> Response {
-    let node = &d.node;
-    if is_our_model(node, &name) {
-        Json(model_object(node)).into_response()
+    let served = Served::of(&d.node);
+    if served.is(&name) {
+        Json(model_object(&d.node)).into_response()
     } else {
-        model_not_found(&model_name(node), &name).into_response()
+        model_not_found(&served.name, &name).into_response()
     }
 }
 

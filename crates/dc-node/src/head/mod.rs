@@ -13,4 +13,5 @@ mod remote;
 mod stop;
 
 pub use driver::{run_as_head, EVENT_QUEUE};
+pub use plan::sampling;
 pub use remote::{serve_generation_stream, start_generation};

@@ -15,7 +15,7 @@ use crate::core::view::{coverage, plan_route, uncovered};
 use crate::daemon::Daemon;
 
 /// The sampler's settings for `req`.
-pub(super) fn sampling(req: &GenerationRequest) -> SamplingParams {
+pub fn sampling(req: &GenerationRequest) -> SamplingParams {
     SamplingParams {
         temperature: req.sampling.temperature,
         top_k: (req.sampling.top_k > 0).then_some(req.sampling.top_k as usize),
