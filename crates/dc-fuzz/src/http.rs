@@ -16,8 +16,12 @@ const CHATML: &str = "{% for message in messages %}{% if loop.first and messages
 fn chatml() -> &'static ChatTemplate {
     static TEMPLATE: OnceLock<ChatTemplate> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
-        ChatTemplate::new(CHATML, Some("<|im_start|>".into()), Some("<|im_end|>".into()))
-            .expect("the ChatML template compiles")
+        ChatTemplate::new(
+            CHATML,
+            Some("<|im_start|>".into()),
+            Some("<|im_end|>".into()),
+        )
+        .expect("the ChatML template compiles")
     })
 }
 
@@ -40,8 +44,15 @@ fn served() -> Served<'static> {
 /// What every accepted request must be: a prompt that fits with room for a token, ids in the
 /// vocabulary, a bounded answer and sampling the head accepts.
 fn check_accepted(s: &Served, r: &GenerationRequest) {
-    assert!(!r.prompt.is_empty() && r.prompt.len() < s.max_positions, "prompt of {}", r.prompt.len());
-    assert!(r.prompt.iter().all(|&t| (t as usize) < s.vocab_size), "a token beyond the vocabulary");
+    assert!(
+        !r.prompt.is_empty() && r.prompt.len() < s.max_positions,
+        "prompt of {}",
+        r.prompt.len()
+    );
+    assert!(
+        r.prompt.iter().all(|&t| (t as usize) < s.vocab_size),
+        "a token beyond the vocabulary"
+    );
     assert!(r.max_new_tokens as usize <= s.max_positions);
     assert!(r.chunk >= 1);
     dc_node::head::sampling(r)

@@ -48,7 +48,12 @@ pub const TARGETS: &[Target] = &[
 /// The shared fixtures (`../shared/fixtures` beside the checkout; `DC_FIXTURES` overrides).
 pub fn fixtures() -> PathBuf {
     std::env::var_os("DC_FIXTURES").map_or_else(
-        || PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures")),
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures"
+            ))
+        },
         PathBuf::from,
     )
 }

@@ -24,7 +24,8 @@ pub(crate) fn check_reveals(reveals: &[LayerReveal]) {
                 }
                 // The checker's column units come from its own weights; zeros stand in.
                 Some(unit) if cols <= row.encoding.len() => {
-                    let _ = decode_units_for_check(unit, &row.encoding, &vec![0; cols], Decode::BOTH);
+                    let _ =
+                        decode_units_for_check(unit, &row.encoding, &vec![0; cols], Decode::BOTH);
                 }
                 Some(_) => {}
             }
@@ -35,14 +36,23 @@ pub(crate) fn check_reveals(reveals: &[LayerReveal]) {
 /// The definition's answer for a row: each value's residue and rounding, or why not.
 fn definition(values: Result<Vec<Exact>, String>) -> Option<(Vec<u64>, Vec<f32>)> {
     let values = values.ok()?;
-    let rounded = values.iter().map(Exact::to_f32).collect::<Option<Vec<f32>>>()?;
+    let rounded = values
+        .iter()
+        .map(Exact::to_f32)
+        .collect::<Option<Vec<f32>>>()?;
     Some((values.iter().map(exact_mod).collect(), rounded))
 }
 
-fn assert_agrees(fast: Result<dc_kernels::verify::reveal::CheckedRow, String>, def: Option<(Vec<u64>, Vec<f32>)>) {
+fn assert_agrees(
+    fast: Result<dc_kernels::verify::reveal::CheckedRow, String>,
+    def: Option<(Vec<u64>, Vec<f32>)>,
+) {
     match (fast, def) {
         (Ok(row), Some((residues, rounded))) => {
-            assert_eq!(row.residues, residues, "residues differ from the definition");
+            assert_eq!(
+                row.residues, residues,
+                "residues differ from the definition"
+            );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&row.rounded), bits(&rounded), "roundings differ");
         }
@@ -57,7 +67,11 @@ fn assert_agrees(fast: Result<dc_kernels::verify::reveal::CheckedRow, String>, d
 pub fn revealed_row(data: &[u8]) {
     let (sel, rest) = crate::split_first(data);
     if sel & 1 == 0 {
-        let cols = if sel & 2 == 0 { rest.len() / 12 } else { usize::from(sel >> 2) };
+        let cols = if sel & 2 == 0 {
+            rest.len() / 12
+        } else {
+            usize::from(sel >> 2)
+        };
         assert_agrees(
             decode_for_check(rest, cols, Decode::BOTH),
             definition(decode_row(rest, cols)),
@@ -67,7 +81,11 @@ pub fn revealed_row(data: &[u8]) {
         let (mut r1, mut f1) = (vec![0; n], vec![0.0; n]);
         let (mut r2, mut f2) = (vec![0; n], vec![0.0; n]);
         let ok = decode_small(whole, &mut r1, &mut f1);
-        assert_eq!(ok, decode_small_scalar(whole, &mut r2, &mut f2), "decode_small");
+        assert_eq!(
+            ok,
+            decode_small_scalar(whole, &mut r2, &mut f2),
+            "decode_small"
+        );
         if ok {
             assert_eq!(r1, r2);
             assert!(f1.iter().zip(&f2).all(|(a, b)| a.to_bits() == b.to_bits()));
@@ -83,7 +101,11 @@ pub fn revealed_row(data: &[u8]) {
         .chunks(8)
         .map(|c| i32::from(c[0] as i8) - 20)
         .collect();
-    let cols = if sel & 2 == 0 { col_units.len() } else { usize::from(sel >> 2).min(col_units.len()) };
+    let cols = if sel & 2 == 0 {
+        col_units.len()
+    } else {
+        usize::from(sel >> 2).min(col_units.len())
+    };
     let col_units = &col_units[..cols];
     assert_agrees(
         decode_units_for_check(unit, bytes, col_units, Decode::BOTH),

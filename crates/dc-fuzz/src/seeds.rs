@@ -101,7 +101,9 @@ fn reveal() -> LayerReveal {
                 point: Point::Up,
                 cols: 4,
                 unit: Some(-24),
-                encoding: (0..4i64).flat_map(|i| (i * 1000 - 1500).to_le_bytes()).collect(),
+                encoding: (0..4i64)
+                    .flat_map(|i| (i * 1000 - 1500).to_le_bytes())
+                    .collect(),
                 root: Commitment([7; 32]),
                 path: vec![],
             },
@@ -194,7 +196,10 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         state: PeerState::Serving,
         active_generations: 1,
         seq: 9,
-        listen_addrs: vec!["/ip4/127.0.0.1/tcp/7000".into(), "/ip4/10.0.0.1/udp/7000/quic-v1".into()],
+        listen_addrs: vec![
+            "/ip4/127.0.0.1/tcp/7000".into(),
+            "/ip4/10.0.0.1/udp/7000/quic-v1".into(),
+        ],
     };
     let proof = dc_types::FraudProof {
         model_id: ModelId(Commitment([7; 32])),

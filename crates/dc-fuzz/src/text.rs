@@ -22,7 +22,14 @@ pub fn tokenizer(data: &[u8]) {
     // Ids from the bytes, some beyond the vocabulary on purpose.
     let ids: Vec<u32> = data
         .chunks(3)
-        .map(|c| u32::from_le_bytes([c[0], *c.get(1).unwrap_or(&0), *c.get(2).unwrap_or(&0) & 1, 0]))
+        .map(|c| {
+            u32::from_le_bytes([
+                c[0],
+                *c.get(1).unwrap_or(&0),
+                *c.get(2).unwrap_or(&0) & 1,
+                0,
+            ])
+        })
         .collect();
     let whole = tok.decode(&ids, true);
     let mut stream = StreamDecoder::new(tok, true);
@@ -38,7 +45,10 @@ pub fn tokenizer(data: &[u8]) {
         if let Ok(rest) = stream.finish() {
             streamed.push_str(&rest);
             if let Ok(whole) = whole {
-                assert_eq!(streamed, whole, "streamed text differs from the whole decode");
+                assert_eq!(
+                    streamed, whole,
+                    "streamed text differs from the whole decode"
+                );
             }
         }
     }

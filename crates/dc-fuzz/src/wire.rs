@@ -10,8 +10,8 @@ use dc_node::core::view::SwarmView;
 use dc_node::core::wire::from_wire;
 use dc_node::head::bounds::EventBounds;
 use dc_types::{
-    GenerationEvent, GenerationRequest, Gossip, HopResponse, ModelId, StageRequest,
-    StageResponse, WireActivations, HOP_RECORD_KIND,
+    GenerationEvent, GenerationRequest, Gossip, HopResponse, ModelId, StageRequest, StageResponse,
+    WireActivations, HOP_RECORD_KIND,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -40,7 +40,10 @@ where
 fn check_activations(w: &WireActivations) {
     if let Ok(a) = from_wire(w.clone(), HIDDEN, POSITIONS) {
         assert_eq!(a.hidden, HIDDEN);
-        assert!(a.start + a.rows() <= POSITIONS, "activations past the model's positions");
+        assert!(
+            a.start + a.rows() <= POSITIONS,
+            "activations past the model's positions"
+        );
     }
 }
 
@@ -173,7 +176,10 @@ pub fn generation_events(data: &[u8]) {
             return;
         }
         if let GenerationEvent::Done { tokens, .. } = &ev {
-            assert!(tokens.len() <= max as usize, "a Done past the request's bounds");
+            assert!(
+                tokens.len() <= max as usize,
+                "a Done past the request's bounds"
+            );
         }
     }
 }

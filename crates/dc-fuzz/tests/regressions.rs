@@ -27,7 +27,10 @@ fn every_target_has_a_fuzz_binary_and_seeds() {
     let bins = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/fuzz_targets");
     let seeds = seeds();
     for (name, _) in TARGETS {
-        assert!(bins.join(format!("{name}.rs")).is_file(), "fuzz/fuzz_targets/{name}.rs is missing");
+        assert!(
+            bins.join(format!("{name}.rs")).is_file(),
+            "fuzz/fuzz_targets/{name}.rs is missing"
+        );
         assert!(seeds.iter().any(|(n, _)| n == name), "no seed for {name}");
     }
     for (name, _) in &seeds {
@@ -79,7 +82,12 @@ fn seeds_run_and_wire_seeds_decode() {
 /// A seed mutated: cut, bytes overwritten, a run of bytes repeated or dropped.
 fn mutated() -> impl Strategy<Value = (usize, Vec<u8>)> {
     let n = seeds().len();
-    (0..n, any::<u64>(), prop::collection::vec((any::<u16>(), any::<u8>()), 0..8), 0u8..4)
+    (
+        0..n,
+        any::<u64>(),
+        prop::collection::vec((any::<u16>(), any::<u8>()), 0..8),
+        0u8..4,
+    )
         .prop_map(|(i, cut, edits, shape)| {
             let mut data = seeds()[i].1.clone();
             for (at, b) in edits {
@@ -93,7 +101,11 @@ fn mutated() -> impl Strategy<Value = (usize, Vec<u8>)> {
             match shape {
                 0 => data.truncate(at),
                 1 => {
-                    let run: Vec<u8> = data[at.min(data.len())..].iter().take(16).copied().collect();
+                    let run: Vec<u8> = data[at.min(data.len())..]
+                        .iter()
+                        .take(16)
+                        .copied()
+                        .collect();
                     data.splice(at.min(data.len())..at.min(data.len()), run);
                 }
                 2 => {

@@ -100,10 +100,7 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
             max - 1
         ));
     }
-    if let Some(t) = prompt
-        .iter()
-        .find(|&&t| t as usize >= served.vocab_size)
-    {
+    if let Some(t) = prompt.iter().find(|&&t| t as usize >= served.vocab_size) {
         return Err(format!(
             "token id {t} is out of range (vocabulary of {})",
             served.vocab_size

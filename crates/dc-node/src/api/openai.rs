@@ -302,7 +302,10 @@ pub fn translate(served: &Served, endpoint: Endpoint, body: Value) -> Result<Tra
     refuse_unsupported(&mut f, endpoint)?;
     let p = params(served, &mut f, endpoint)?;
     let (prompt, param) = match endpoint {
-        Endpoint::Completion => (completion_prompt(tok, f.take::<Value>("prompt")?)?, "prompt"),
+        Endpoint::Completion => (
+            completion_prompt(tok, f.take::<Value>("prompt")?)?,
+            "prompt",
+        ),
         Endpoint::Chat => (
             chat_prompt(served, tok, f.take::<Value>("messages")?)?,
             "messages",
@@ -1241,7 +1244,11 @@ async fn chat_completions(
 }
 
 /// Answers a generation endpoint's request.
-async fn answer(d: Daemon, endpoint: Endpoint, body: Result<Json<Value>, JsonRejection>) -> Response {
+async fn answer(
+    d: Daemon,
+    endpoint: Endpoint,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Response {
     async {
         let Json(body) = body.map_err(|e| from_rejection(&e))?;
         let t = translate(&Served::of(&d.node), endpoint, body)?;

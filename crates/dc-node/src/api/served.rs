@@ -75,4 +75,3 @@ pub fn model_name(node: &Node) -> String {
         name.to_string()
     }
 }
-
