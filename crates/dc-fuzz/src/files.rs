@@ -2,8 +2,7 @@
 //! and loaded the way `dcd` opens a model it was pointed at (the bytes written to a scratch
 //! folder first: the loaders map files, as they must for models of many gigabytes).
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::Path;
 
 use dc_model::config::ModelConfig;
 use dc_model::generate::LocalPipeline;
@@ -51,17 +50,15 @@ pub fn gguf(data: &[u8]) {
 
 /// A safetensors checkpoint beside the tiny Llama fixture's `config.json`.
 pub fn safetensors(data: &[u8]) {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let dir = crate::scratch().join("hf");
+    let dir = crate::scratch().join("hf");
+    if !dir.join("config.json").is_file() {
         std::fs::create_dir_all(&dir).expect("a scratch model folder");
         let config = crate::fixtures().join("llama/config.json");
         std::fs::copy(&config, dir.join("config.json"))
             .unwrap_or_else(|e| panic!("copying {}: {e}", config.display()));
-        dir
-    });
+    }
     write(&dir.join("model.safetensors"), data);
-    open_and_load(dir);
+    open_and_load(&dir);
 }
 
 /// A Hugging Face `config.json`.

@@ -84,11 +84,14 @@ pub(crate) fn gemm() -> &'static dc_kernels::Gemm {
     })
 }
 
-/// A scratch folder for the files a target writes, made once per process.
-pub(crate) fn scratch() -> &'static std::path::Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("a scratch folder"))
-        .path()
+/// A scratch folder for the files a target writes, one per thread: the loaders map the files
+/// they open, and a file rewritten under another thread's mapping would fault that thread
+/// (SIGBUS) when the test harness runs targets side by side.
+pub(crate) fn scratch() -> PathBuf {
+    thread_local! {
+        static DIR: tempfile::TempDir = tempfile::tempdir().expect("a scratch folder");
+    }
+    DIR.with(|dir| dir.path().to_path_buf())
 }
 
 /// Splits fuzz input into a selector byte and the rest (for targets that cover several
