@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
-use crate::sampling::{sample, SamplingParams};
+use crate::sampling::{sample_after, SamplingParams};
 
 /// Splits `layers` layers into `stages` contiguous ranges of near-equal size.
 pub fn split_layers(layers: usize, stages: usize) -> Result<Vec<Range<usize>>> {
@@ -142,7 +142,7 @@ pub enum Next {
 /// both stop, sample and count positions identically.
 #[derive(Clone, Debug)]
 pub struct TokenLoop {
-    prompt_len: usize,
+    prompt: Vec<u32>,
     max_new_tokens: usize,
     max_positions: usize,
     sampling: SamplingParams,
@@ -166,7 +166,7 @@ impl TokenLoop {
             )));
         }
         Ok(TokenLoop {
-            prompt_len: req.prompt.len(),
+            prompt: req.prompt.clone(),
             max_new_tokens: req.max_new_tokens,
             max_positions,
             sampling: req.sampling.clone(),
@@ -181,8 +181,8 @@ impl TokenLoop {
             return Ok(Next::Done(StopReason::Length));
         }
         // The token sampled here takes absolute position `pos`.
-        let pos = self.prompt_len + self.tokens.len();
-        let t = sample(logits, &self.sampling, pos)?;
+        let pos = self.prompt.len() + self.tokens.len();
+        let t = sample_after(logits, &self.sampling, pos, &self.prompt, &self.tokens)?;
         self.tokens.push(t);
         Ok(if self.stop_tokens.contains(&t) {
             Next::Last(t, StopReason::Stop)

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use dc_kernels::{Gemm, Kernel, PackedWeights, WeightLayout};
 use dc_model::generate::{generate, GenerateRequest, LocalPipeline};
-use dc_model::sampling::SamplingParams;
+use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::{LoadOptions, Model};
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -98,6 +98,18 @@ fn generation_with_the_cache_equals_recomputation() {
                 top_k: Some(40),
                 top_p: Some(0.95),
                 seed: 11,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 0.9,
+                min_p: Some(0.05),
+                penalties: Penalties {
+                    repetition: 1.3,
+                    presence: 0.4,
+                    frequency: 0.6,
+                },
+                seed: 5,
+                ..Default::default()
             },
         ] {
             let req = GenerateRequest {

@@ -35,7 +35,9 @@ pub use wire::{decode, encode, WireError};
 /// 10: a generation request carries the tokens the client already holds (`resume`), so the
 ///    next head in the rendezvous order can take a generation over when its head dies; hop
 ///    records and commitments are protocol 9's.
-pub const PROTOCOL_VERSION: u32 = 10;
+/// 11: a generation request's sampling carries min-p and the repetition, presence and
+///    frequency penalties (`WireSampling`); hop records and commitments are protocol 9's.
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an

@@ -442,6 +442,14 @@ pub struct WireSampling {
     pub top_k: u32,
     /// Top-p (1: off).
     pub top_p: f32,
+    /// Min-p (0: off).
+    pub min_p: f32,
+    /// Repetition penalty over the prompt and the new tokens (1: off).
+    pub repetition_penalty: f32,
+    /// Presence penalty over the new tokens (0: off).
+    pub presence_penalty: f32,
+    /// Frequency penalty over the new tokens (0: off).
+    pub frequency_penalty: f32,
     /// Seed of the per-position draws.
     pub seed: u64,
 }

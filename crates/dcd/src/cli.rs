@@ -267,6 +267,19 @@ pub struct GenerateArgs {
     /// Keep the most likely tokens up to this total probability.
     #[arg(long)]
     pub top_p: Option<f32>,
+    /// Keep only the tokens at least this fraction as likely as the most likely one.
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Divide positive logits (multiply negative ones) of tokens in the prompt or output by
+    /// this (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Subtract this from the logit of every token already generated (-2 to 2).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub presence_penalty: f32,
+    /// Subtract this times its count so far from every generated token's logit (-2 to 2).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub frequency_penalty: f32,
     /// Seed of the per-position draws.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

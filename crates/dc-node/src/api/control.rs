@@ -13,9 +13,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dc_model::sampling::SamplingParams;
+use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::StreamDecoder;
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode, WireSampling};
+use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -44,6 +44,14 @@ pub struct GenerateBody {
     pub top_k: Option<u32>,
     /// Top-p.
     pub top_p: Option<f32>,
+    /// Min-p.
+    pub min_p: Option<f32>,
+    /// Repetition penalty over the prompt and the new tokens (1: off).
+    pub repetition_penalty: Option<f32>,
+    /// Presence penalty over the new tokens (0: off).
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty over the new tokens (0: off).
+    pub frequency_penalty: Option<f32>,
     /// Seed of the per-position draws.
     #[serde(default)]
     pub seed: u64,
@@ -112,10 +120,17 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
             b.max_new_tokens
         ));
     }
+    let defaults = Penalties::default();
     let sampling = SamplingParams {
         temperature: b.temperature,
         top_k: b.top_k.map(|k| k as usize),
         top_p: b.top_p,
+        min_p: b.min_p,
+        penalties: Penalties {
+            repetition: b.repetition_penalty.unwrap_or(defaults.repetition),
+            presence: b.presence_penalty.unwrap_or(defaults.presence),
+            frequency: b.frequency_penalty.unwrap_or(defaults.frequency),
+        },
         seed: b.seed,
     };
     sampling.validate().map_err(|e| e.to_string())?;
@@ -135,12 +150,7 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
         generation: GenerationId::new_random(),
         prompt,
         max_new_tokens: b.max_new_tokens,
-        sampling: WireSampling {
-            temperature: b.temperature,
-            top_k: b.top_k.unwrap_or(0),
-            top_p: b.top_p.unwrap_or(1.0),
-            seed: b.seed,
-        },
+        sampling: sampling.to_wire(),
         stop_tokens: if b.ignore_eos {
             Vec::new()
         } else {

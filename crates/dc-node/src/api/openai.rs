@@ -26,9 +26,9 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
-use dc_model::sampling::SamplingParams;
+use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, WireSampling};
+use dc_types::{GenerationEvent, GenerationId, GenerationRequest};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
@@ -323,19 +323,13 @@ pub fn translate(served: &Served, endpoint: Endpoint, body: Value) -> Result<Tra
 }
 
 /// Refuses the parameters asking for what this server does not do (more than one choice,
-/// log-probabilities, penalties, tools, structured output, …): ignoring them would silently
+/// log-probabilities, logit biases, tools, structured output, …): ignoring them would silently
 /// give the client something else than it asked for.
 fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError> {
     f.refuse(
         "n",
         |v| v.as_u64() == Some(1),
         "only one choice per request (n = 1); send several requests",
-    )?;
-    f.refuse("presence_penalty", is_zero, "penalties are not implemented")?;
-    f.refuse(
-        "frequency_penalty",
-        is_zero,
-        "penalties are not implemented",
     )?;
     f.refuse("logit_bias", is_empty, "logit_bias is not implemented")?;
     match endpoint {
@@ -391,18 +385,16 @@ fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError
 #[derive(Debug)]
 struct Params {
     max_tokens: u32,
-    temperature: f32,
-    top_p: Option<f32>,
-    top_k: Option<u32>,
-    seed: u64,
+    sampling: SamplingParams,
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
     ignore_eos: bool,
 }
 
-/// Reads the sampling and output parameters. `top_k` and `ignore_eos` (keep going past
-/// end-of-sequence tokens, for benchmarks) are extensions vLLM takes too; a missing `seed` is
+/// Reads the sampling and output parameters. `top_k`, `min_p`, `repetition_penalty` and
+/// `ignore_eos` (keep going past end-of-sequence tokens, for benchmarks) are extensions vLLM
+/// takes too; a missing `seed` is
 /// drawn at random, so that two identical requests without one differ as they do at OpenAI
 /// (with `temperature: 0` the seed does not matter).
 fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params, ApiError> {
@@ -445,6 +437,21 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
         }
     }
     let top_k = f.take::<u32>("top_k")?;
+    let min_p = bounded(f, "min_p", 0.0..=1.0)?;
+    let defaults = Penalties::default();
+    let penalties = Penalties {
+        repetition: match bounded(f, "repetition_penalty", 0.0..=10.0)? {
+            Some(r) if r <= 0.0 => {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    format!("repetition_penalty = {r}: it must be above 0 (1 is off)"),
+                ))
+            }
+            r => r.unwrap_or(defaults.repetition),
+        },
+        presence: bounded(f, "presence_penalty", -2.0..=2.0)?.unwrap_or(defaults.presence),
+        frequency: bounded(f, "frequency_penalty", -2.0..=2.0)?.unwrap_or(defaults.frequency),
+    };
     let seed = match f.take::<serde_json::Number>("seed")? {
         None => random_seed(),
         // OpenAI's seeds are 64-bit signed: a negative one is taken as its two's complement.
@@ -477,17 +484,44 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
         })
         .transpose()?
         .unwrap_or(false);
+    let sampling = SamplingParams {
+        temperature: temperature as f32,
+        top_k: top_k.filter(|&k| k > 0).map(|k| k as usize),
+        top_p: top_p.map(|p| p as f32),
+        min_p,
+        penalties,
+        seed,
+    };
+    sampling
+        .validate()
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     Ok(Params {
         max_tokens,
-        temperature: temperature as f32,
-        top_p: top_p.map(|p| p as f32),
-        top_k,
-        seed,
+        sampling,
         stop,
         stream,
         include_usage,
         ignore_eos,
     })
+}
+
+/// Takes the number `name`, which must lie in `range`.
+fn bounded(
+    f: &mut Fields,
+    name: &str,
+    range: std::ops::RangeInclusive<f64>,
+) -> Result<Option<f32>, ApiError> {
+    match f.take::<f64>(name)? {
+        Some(v) if !range.contains(&v) => Err(ApiError::invalid(
+            name,
+            format!(
+                "{name} = {v}: it must be {} to {}",
+                range.start(),
+                range.end()
+            ),
+        )),
+        v => Ok(v.map(|v| v as f32)),
+    }
 }
 
 fn random_seed() -> u64 {
@@ -782,26 +816,12 @@ fn request(
             format!("token id {t} is out of range (vocabulary of {vocab})"),
         ));
     }
-    let sampling = SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k.filter(|&k| k > 0).map(|k| k as usize),
-        top_p: p.top_p,
-        seed: p.seed,
-    };
-    sampling
-        .validate()
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     Ok(GenerationRequest {
         model_id: served.model_id,
         generation,
         prompt,
         max_new_tokens: p.max_tokens,
-        sampling: WireSampling {
-            temperature: p.temperature,
-            top_k: p.top_k.unwrap_or(0),
-            top_p: p.top_p.unwrap_or(1.0),
-            seed: p.seed,
-        },
+        sampling: p.sampling.to_wire(),
         stop_tokens: if p.ignore_eos {
             Vec::new()
         } else {
@@ -1399,7 +1419,7 @@ mod tests {
             (json!({"n": 2}), "n"),
             (json!({"logprobs": true}), "logprobs"),
             (json!({"tools": [{"type": "function"}]}), "tools"),
-            (json!({"presence_penalty": 0.5}), "presence_penalty"),
+            (json!({"logit_bias": {"15": 3}}), "logit_bias"),
         ] {
             let mut f = Fields::new(body).expect("an object");
             let e = refuse_unsupported(&mut f, Endpoint::Chat).expect_err("unsupported");

@@ -16,12 +16,7 @@ use crate::daemon::Daemon;
 
 /// The sampler's settings for `req`.
 pub fn sampling(req: &GenerationRequest) -> SamplingParams {
-    SamplingParams {
-        temperature: req.sampling.temperature,
-        top_k: (req.sampling.top_k > 0).then_some(req.sampling.top_k as usize),
-        top_p: (req.sampling.top_p < 1.0).then_some(req.sampling.top_p),
-        seed: req.sampling.seed,
-    }
+    SamplingParams::from_wire(&req.sampling)
 }
 
 /// The generation id of attempt `n` (fresh caches at every stage after a recomputation).

@@ -9,7 +9,7 @@ use dc_kernels::elementwise::log_sum_exp;
 use dc_model::generate::{
     generate as run_generation, logits_commitment, GenerateRequest, LocalPipeline,
 };
-use dc_model::sampling::SamplingParams;
+use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::{load_for_model, StreamDecoder};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -34,6 +34,12 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
             temperature: a.temperature,
             top_k: a.top_k,
             top_p: a.top_p,
+            min_p: a.min_p,
+            penalties: Penalties {
+                repetition: a.repetition_penalty,
+                presence: a.presence_penalty,
+                frequency: a.frequency_penalty,
+            },
             seed: a.seed,
         },
         stop_tokens: if a.ignore_eos {

@@ -144,6 +144,18 @@ fn generate_body(a: &GenerateArgs) -> Result<Value> {
     if let Some(p) = a.top_p {
         body["top_p"] = json!(p);
     }
+    if let Some(p) = a.min_p {
+        body["min_p"] = json!(p);
+    }
+    if a.repetition_penalty != 1.0 {
+        body["repetition_penalty"] = json!(a.repetition_penalty);
+    }
+    if a.presence_penalty != 0.0 {
+        body["presence_penalty"] = json!(a.presence_penalty);
+    }
+    if a.frequency_penalty != 0.0 {
+        body["frequency_penalty"] = json!(a.frequency_penalty);
+    }
     if let Some(v) = &a.verify {
         body["verify"] = json!(v);
     }
