@@ -19,11 +19,31 @@ fn budget_for(model: &Path, layers: u64) -> String {
     ((per * layers + per / 2) * 10 / 9).to_string()
 }
 
-/// Compares generations through `api` with local ones for greedy and seeded sampling.
+/// Compares generations through `api` with local ones for greedy and seeded sampling, with and
+/// without min-p and penalties (which must reach the head: they change the tokens).
 fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
     let m = model.to_str().unwrap();
-    for (t, seed) in [("0", "0"), ("0.9", "1"), ("1.3", "7")] {
-        let args = [
+    let penalised = [
+        "--min-p",
+        "0.02",
+        // Below 1 and negative, so that even a few tokens change: prompt tokens and
+        // repeats are favoured.
+        "--repetition-penalty",
+        "0.6",
+        "--presence-penalty",
+        "-1",
+        "--frequency-penalty",
+        "0.5",
+    ];
+    let (mut plain_local, mut changed) = (Vec::new(), false);
+    for (t, seed, extra) in [
+        ("0", "0", &[][..]),
+        ("0.9", "1", &[][..]),
+        ("1.3", "7", &[][..]),
+        ("0", "0", &penalised[..]),
+        ("0.9", "1", &penalised[..]),
+    ] {
+        let mut args = vec![
             "--prompt-ids",
             prompt,
             "--max-new-tokens",
@@ -36,25 +56,28 @@ fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
             seed,
             "--ignore-eos",
         ];
+        args.extend_from_slice(extra);
+        let what = format!("{m}: temperature {t}, seed {seed}, {extra:?}");
         let mut swarm_args = vec!["--api", api];
         swarm_args.extend_from_slice(&args);
         let mut local_args = vec!["--model", m, "--local"];
         local_args.extend_from_slice(&args);
         let swarm = generate_json(&swarm_args);
         let local = generate_json(&local_args);
-        assert_eq!(
-            swarm["tokens"], local["tokens"],
-            "{m}: temperature {t}, seed {seed}"
-        );
-        assert_eq!(
-            swarm["final_logits"], local["final_logits"],
-            "{m}: temperature {t}, seed {seed}"
-        );
+        assert_eq!(swarm["tokens"], local["tokens"], "{what}");
+        assert_eq!(swarm["final_logits"], local["final_logits"], "{what}");
         assert_eq!(
             swarm["tokens"].as_array().unwrap().len(),
             max_new.parse::<usize>().unwrap()
         );
+        if extra.is_empty() {
+            plain_local.push(local["tokens"].clone());
+        } else {
+            // The first two plain runs had the same temperature and seed.
+            changed |= local["tokens"] != plain_local[if t == "0" { 0 } else { 1 }];
+        }
     }
+    assert!(changed, "{m}: the penalties changed no token");
 }
 
 fn coverage_complete(d: &Daemon, layers: usize) -> bool {
