@@ -225,6 +225,16 @@ def main():
         q = client.completions.create(model=model, prompt="My favourite food is", temperature=1.0, top_p=0.9,
                                       seed=-5, max_tokens=12).choices[0].text
         c.check("negative seed and top_p reproduce", p == q, (p, q))
+        # Penalties (OpenAI's two, and vLLM's min_p and repetition_penalty as extra fields):
+        # greedy, so any change comes from them, and reproducible, streaming or not.
+        pk = dict(model=model, prompt="Say it again: red, red, red, red, red,", temperature=0, max_tokens=12)
+        plain = client.completions.create(**pk).choices[0].text
+        pen = dict(presence_penalty=1.5, frequency_penalty=1.0,
+                   extra_body={"min_p": 0.05, "repetition_penalty": 1.3})
+        x = client.completions.create(**pk, **pen).choices[0].text
+        y = completion_stream(client, **pk, **pen)[0]
+        c.check("penalties reproduce when streaming", x == y, (x, y))
+        c.check("penalties change a repetitive text", x != plain, (x, plain))
 
     def errors():
         try:

@@ -383,6 +383,8 @@ const PYTHON_CHECKS: &[&str] = &[
     "seed reproduces",
     "seed reproduces when streaming",
     "different seeds sample differently",
+    "penalties reproduce when streaming",
+    "penalties change a repetitive text",
     "n=2 is refused",
     "unknown model is refused",
     "tools are refused",
@@ -439,6 +441,16 @@ fn bad_requests(api: &str, model: &str, max_positions: usize) {
         Some("temperature"),
         None,
     );
+    for (body, param) in [
+        (json!({"prompt": "hi", "presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"prompt": "hi", "frequency_penalty": -3}), "frequency_penalty"),
+        (json!({"prompt": "hi", "min_p": 1.5}), "min_p"),
+        (json!({"prompt": "hi", "repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"prompt": "hi", "presence_penalty": "high"}), "presence_penalty"),
+    ] {
+        let r = post_json(api, comp, &body);
+        assert_error(&format!("{param} out of range"), r, 400, Some(param), None);
+    }
     let r = post_json(api, comp, &json!({"prompt": "hi", "max_tokens": 0}));
     assert_error("max_tokens 0", r, 400, Some("max_tokens"), None);
     let r = post_json(api, comp, &json!({"prompt": []}));
@@ -492,8 +504,8 @@ fn bad_requests(api: &str, model: &str, max_positions: usize) {
             "response_format",
         ),
         (
-            json!({"messages": msgs, "presence_penalty": 1}),
-            "presence_penalty",
+            json!({"messages": msgs, "logit_bias": {"42": 10}}),
+            "logit_bias",
         ),
     ] {
         let r = post_json(api, chat, &body);
