@@ -236,6 +236,46 @@ def main():
         c.check("penalties reproduce when streaming", x == y, (x, y))
         c.check("penalties change a repetitive text", x != plain, (x, plain))
 
+    def logprobs():
+        # Chat: one entry per generated token, each a log-probability with its 3 best
+        # alternatives, sorted; greedy, so the chosen token is the best one. Asking for them
+        # changes nothing else, and a stream carries the same entries chunk by chunk.
+        kw = dict(model=model, messages=messages, temperature=0, max_tokens=12)
+        plain = client.chat.completions.create(**kw).choices[0].message.content
+        a = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+        ch = a.choices[0]
+        content = ch.logprobs.content if ch.logprobs else []
+        c.check("chat logprobs change nothing else", ch.message.content == plain, (ch.message.content, plain))
+        c.check("chat logprobs: one per token", len(content) == a.usage.completion_tokens,
+                (len(content), a.usage))
+        c.check("chat logprobs are log-probabilities",
+                content and all(e.logprob <= 0 and len(e.top_logprobs) == 3 for e in content), content)
+        c.check("chat top_logprobs are sorted",
+                all([t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+                    for e in content), content)
+        c.check("greedy picks the best of top_logprobs",
+                all(e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob
+                    for e in content), content)
+        streamed = []
+        for chunk in client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **kw):
+            if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                streamed += chunk.choices[0].logprobs.content
+        c.check("chat logprobs when streaming",
+                [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content],
+                (streamed, content))
+        # Completions: the legacy parallel lists, whose tokens spell the text.
+        b = client.completions.create(model=model, prompt="The three primary colours are", temperature=0,
+                                      max_tokens=6, logprobs=2)
+        lp = b.choices[0].logprobs
+        c.check("completion logprobs: one per token",
+                lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6, lp)
+        c.check("completion logprobs spell the text", "".join(lp.tokens) == b.choices[0].text,
+                (lp.tokens, b.choices[0].text))
+        c.check("completion logprobs are log-probabilities",
+                all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs), lp)
+        offsets = [sum(len(t.encode()) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        c.check("completion text_offset", lp.text_offset == offsets, (lp.text_offset, offsets))
+
     def errors():
         try:
             client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=2)
@@ -277,6 +317,7 @@ def main():
         ("max_tokens", max_tokens),
         ("stop", stop_strings),
         ("seed", seeds),
+        ("logprobs", logprobs),
         ("errors", errors),
         ("client goes away", client_goes_away),
     ]:

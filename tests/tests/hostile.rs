@@ -458,6 +458,7 @@ fn forwarded(model_id: ModelId, max_new_tokens: u32) -> GenerationRequest {
         chunk: 64,
         verify: VerifyMode::Sampled(0.0),
         resume: vec![],
+        top_logprobs: None,
     }
 }
 
@@ -570,7 +571,11 @@ async fn a_head_streaming_more_than_was_asked_is_cut_off() {
                 };
                 dc_net::frames::send(&mut s, &started, MAX, wait).await?;
                 for index in 0..req.max_new_tokens + 100 {
-                    let t = GenerationEvent::Token { index, id: 5 };
+                    let t = GenerationEvent::Token {
+                        index,
+                        id: 5,
+                        logprobs: None,
+                    };
                     dc_net::frames::send(&mut s, &t, MAX, wait).await?;
                 }
                 Ok::<(), dc_net::NetError>(())

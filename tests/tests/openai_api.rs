@@ -385,6 +385,16 @@ const PYTHON_CHECKS: &[&str] = &[
     "different seeds sample differently",
     "penalties reproduce when streaming",
     "penalties change a repetitive text",
+    "chat logprobs change nothing else",
+    "chat logprobs: one per token",
+    "chat logprobs are log-probabilities",
+    "chat top_logprobs are sorted",
+    "greedy picks the best of top_logprobs",
+    "chat logprobs when streaming",
+    "completion logprobs: one per token",
+    "completion logprobs spell the text",
+    "completion logprobs are log-probabilities",
+    "completion text_offset",
     "n=2 is refused",
     "unknown model is refused",
     "tools are refused",
@@ -442,13 +452,41 @@ fn bad_requests(api: &str, model: &str, max_positions: usize) {
         None,
     );
     for (body, param) in [
-        (json!({"prompt": "hi", "presence_penalty": 2.5}), "presence_penalty"),
-        (json!({"prompt": "hi", "frequency_penalty": -3}), "frequency_penalty"),
+        (
+            json!({"prompt": "hi", "presence_penalty": 2.5}),
+            "presence_penalty",
+        ),
+        (
+            json!({"prompt": "hi", "frequency_penalty": -3}),
+            "frequency_penalty",
+        ),
         (json!({"prompt": "hi", "min_p": 1.5}), "min_p"),
-        (json!({"prompt": "hi", "repetition_penalty": 0}), "repetition_penalty"),
-        (json!({"prompt": "hi", "presence_penalty": "high"}), "presence_penalty"),
+        (
+            json!({"prompt": "hi", "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (
+            json!({"prompt": "hi", "presence_penalty": "high"}),
+            "presence_penalty",
+        ),
     ] {
         let r = post_json(api, comp, &body);
+        assert_error(&format!("{param} out of range"), r, 400, Some(param), None);
+    }
+    for (endpoint, body, param) in [
+        (
+            chat,
+            json!({"messages": msgs, "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (comp, json!({"prompt": "hi", "logprobs": 6}), "logprobs"),
+    ] {
+        let r = post_json(api, endpoint, &body);
         assert_error(&format!("{param} out of range"), r, 400, Some(param), None);
     }
     let r = post_json(api, comp, &json!({"prompt": "hi", "max_tokens": 0}));
@@ -494,7 +532,10 @@ fn bad_requests(api: &str, model: &str, max_positions: usize) {
 
     for (body, param) in [
         (json!({"messages": msgs, "n": 2}), "n"),
-        (json!({"messages": msgs, "logprobs": true}), "logprobs"),
+        (
+            json!({"messages": msgs, "prediction": {"type": "content", "content": "x"}}),
+            "prediction",
+        ),
         (
             json!({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}),
             "tools",

@@ -132,6 +132,7 @@ fn generation_request() -> GenerationRequest {
         chunk: 64,
         verify: VerifyMode::Sampled(0.1),
         resume: vec![5],
+        top_logprobs: Some(3),
     }
 }
 
@@ -273,11 +274,23 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 4,
                 &[
                     started,
-                    GenerationEvent::Token { index: 0, id: 5 },
-                    GenerationEvent::Token { index: 1, id: 6 },
+                    GenerationEvent::Token {
+                        index: 0,
+                        id: 5,
+                        logprobs: None,
+                    },
+                    GenerationEvent::Token {
+                        index: 1,
+                        id: 6,
+                        logprobs: Some(dc_types::TokenLogprobs {
+                            logprob: -0.25,
+                            top: vec![(6, -0.25), (9, -2.0)],
+                        }),
+                    },
                     GenerationEvent::Corrected {
                         from: 1,
                         tokens: vec![7],
+                        logprobs: vec![],
                         liar: "x".into(),
                     },
                     GenerationEvent::Done {

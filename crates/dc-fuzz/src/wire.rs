@@ -164,7 +164,7 @@ pub fn generation_events(data: &[u8]) {
         [a, b, rest @ ..] => (u32::from(u16::from_le_bytes([*a, *b])), rest),
         _ => return,
     };
-    let mut bounds = EventBounds::new(max);
+    let mut bounds = EventBounds::new(max, Some(dc_types::MAX_TOP_LOGPROBS));
     while let [a, b, tail @ ..] = rest {
         let len = usize::from(u16::from_le_bytes([*a, *b])).min(tail.len());
         let (frame, next) = tail.split_at(len);

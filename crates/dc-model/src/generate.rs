@@ -209,12 +209,12 @@ pub fn logits_commitment(pos: usize, logits: &[f32]) -> dc_kernels::Commitment {
 }
 
 /// Generates from `req` through `pipeline` (which must be empty), calling `on_token` for every
-/// new token as soon as it is chosen.
+/// new token as soon as it is chosen, with the row of logits it was chosen from.
 pub fn generate(
     pipeline: &mut LocalPipeline<'_>,
     gemm: &Gemm,
     req: &GenerateRequest,
-    mut on_token: impl FnMut(u32),
+    mut on_token: impl FnMut(u32, &[f32]),
 ) -> Result<Generation> {
     if !pipeline.is_empty() {
         return Err(ModelError::Input(
@@ -226,11 +226,11 @@ pub fn generate(
     let stop = loop {
         match tl.next(&logits)? {
             Next::Feed(t) => {
-                on_token(t);
+                on_token(t, &logits);
                 logits = pipeline.forward(gemm, &[t], false)?;
             }
             Next::Last(t, why) => {
-                on_token(t);
+                on_token(t, &logits);
                 break why;
             }
             Next::Done(why) => break why,

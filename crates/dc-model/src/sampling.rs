@@ -6,7 +6,7 @@
 //! logits, the settings, the tokens so far and the position. The draw at position p depends
 //! only on (seed, p): a longer or shorter draft never moves a later draw.
 
-use dc_types::WireSampling;
+use dc_types::{TokenLogprobs, WireSampling};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
@@ -195,6 +195,38 @@ pub fn draw(seed: u64, pos: usize) -> f64 {
     (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// The log-probabilities of `chosen` and of the `top` most likely tokens in one row of
+/// logits: the log-softmax in f64, summed in index order (`libm`), so every peer gets the
+/// same values.
+pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut sum = 0f64;
+    for &l in logits {
+        sum += libm::exp(l as f64 - max);
+    }
+    let lse = max + libm::log(sum);
+    let lp = |i: u32| {
+        logits
+            .get(i as usize)
+            .map_or(f32::NEG_INFINITY, |&l| (l as f64 - lse) as f32)
+    };
+    // The `top` best by (logit descending, id ascending), kept sorted while scanning.
+    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            let at = best.partition_point(|&b| logits[b as usize] >= l);
+            if at < top {
+                best.insert(at, i as u32);
+                best.truncate(top);
+            }
+        }
+    }
+    TokenLogprobs {
+        logprob: lp(chosen),
+        top: best.into_iter().map(|i| (i, lp(i))).collect(),
+    }
+}
+
 /// Chooses the token at absolute position `pos` from one row of logits, after `prompt` and
 /// the new tokens `generated` (the penalties' history).
 pub fn sample_after(
@@ -255,7 +287,11 @@ pub fn sample(logits: &[f32], params: &SamplingParams, pos: usize) -> Result<u32
     // min-p keeps a prefix of the sorted candidates (the first weight is exp(0) = 1), and so
     // does top-p: the kept set is the shorter prefix, whichever is applied first.
     if let Some(m) = params.min_p {
-        keep = weights.iter().take_while(|&&w| w >= m as f64).count().max(1);
+        keep = weights
+            .iter()
+            .take_while(|&&w| w >= m as f64)
+            .count()
+            .max(1);
     }
     if let Some(p) = params.top_p {
         let mut acc = 0f64;
@@ -439,6 +475,22 @@ mod tests {
     }
 
     #[test]
+    fn logprobs_are_a_log_softmax_with_the_best_first() {
+        let logits = [1.0f32, 3.0, 3.0, -2.0, 0.5];
+        let lp = logprobs(&logits, 4, 3);
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let want = |i: usize| ((logits[i] as f64).exp() / z).ln() as f32;
+        assert!((lp.logprob - want(4)).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 2, 0]);
+        for (i, v) in &lp.top {
+            assert!((v - want(*i as usize)).abs() < 1e-6);
+        }
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(logprobs(&logits, 0, 9).top.len(), logits.len());
+    }
+
+    #[test]
     fn bad_settings_are_named() {
         let p = SamplingParams {
             temperature: -1.0,
@@ -493,7 +545,10 @@ mod tests {
                 "frequency_penalty",
             ),
         ] {
-            assert!(p.validate().unwrap_err().to_string().contains(name), "{name}");
+            assert!(
+                p.validate().unwrap_err().to_string().contains(name),
+                "{name}"
+            );
         }
         assert!(sample(&[f32::NAN], &SamplingParams::default(), 0).is_err());
     }

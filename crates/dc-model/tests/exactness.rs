@@ -120,7 +120,7 @@ fn generation_with_the_cache_equals_recomputation() {
                 chunk: 4,
             };
             let mut p = LocalPipeline::new(&model, 3).unwrap();
-            let out = generate(&mut p, &gemm, &req, |_| {}).unwrap();
+            let out = generate(&mut p, &gemm, &req, |_, _| {}).unwrap();
             assert_eq!(out.tokens.len(), 30);
             // Recompute all logits of prompt + generated in one pass; the generation's final
             // logits are those of its last position.

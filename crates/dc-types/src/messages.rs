@@ -473,6 +473,9 @@ pub struct GenerationRequest {
     pub chunk: u32,
     /// How much is verified.
     pub verify: VerifyMode,
+    /// With each new token, its log-probability and those of this many most likely tokens
+    /// (none: no log-probabilities; at most [`MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: Option<u8>,
     /// The new tokens the client already holds (empty for a new generation): the next head
     /// takes a generation over from here when its head dies. The head re-derives them before
     /// it streams anything new, and corrects the client if they are not what it computes.
@@ -486,6 +489,19 @@ pub struct RouteHop {
     pub peer: String,
     /// Its layers in this generation.
     pub layers: LayerRange,
+}
+
+/// Most alternatives a generation may ask log-probabilities of, per token (OpenAI's bound).
+pub const MAX_TOP_LOGPROBS: u8 = 20;
+
+/// The log-probabilities at one new token: natural logarithms of the softmax of the model's
+/// own logits at that position (before temperature, truncation and penalties).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first (ties: the lower id first).
+    pub top: Vec<(u32, f32)>,
 }
 
 /// What the head streams back for a generation.
@@ -504,6 +520,8 @@ pub enum GenerationEvent {
         index: u32,
         /// Token id.
         id: u32,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The generation ended.
     Done {
@@ -522,6 +540,9 @@ pub enum GenerationEvent {
         from: u32,
         /// The corrected tokens from `from` on (the new sequence so far).
         tokens: Vec<u32>,
+        /// Their log-probabilities, one per token, when the request asked for them (else
+        /// empty).
+        logprobs: Vec<TokenLogprobs>,
         /// The proven liar.
         liar: String,
     },

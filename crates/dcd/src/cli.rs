@@ -292,6 +292,10 @@ pub struct GenerateArgs {
     /// Print {"prompt_ids", "tokens", "text"} as JSON at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// With --json: add "logprobs", each token's log-probability and those of the N most
+    /// likely tokens at its position (N at most 20).
+    #[arg(long, requires = "json", value_parser = clap::value_parser!(u8).range(0..=20))]
+    pub top_logprobs: Option<u8>,
     /// With --api: `all` re-runs every hop on a second peer before its token is released;
     /// `sample` (default) audits random hops.
     #[arg(long, requires = "api")]

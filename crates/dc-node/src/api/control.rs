@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::StreamDecoder;
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode};
+use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode, MAX_TOP_LOGPROBS};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -65,6 +65,8 @@ pub struct GenerateBody {
     pub verify: Option<String>,
     /// Probability of auditing each remote hop in `"sample"` mode (default: the daemon's).
     pub audit_rate: Option<f32>,
+    /// With every token, its log-probability and those of this many most likely tokens.
+    pub top_logprobs: Option<u8>,
 }
 
 fn default_max_new_tokens() -> u32 {
@@ -145,6 +147,11 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
         }
         Some(other) => return Err(format!("verify {other:?}: expected \"all\" or \"sample\"")),
     };
+    if let Some(n) = b.top_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        return Err(format!(
+            "top_logprobs {n} is too many: at most {MAX_TOP_LOGPROBS}"
+        ));
+    }
     Ok(GenerationRequest {
         model_id: served.model_id,
         generation: GenerationId::new_random(),
@@ -162,6 +169,7 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
             .clamp(1, crate::stage::MAX_HOP_ROWS as u32),
         verify,
         resume: Vec::new(),
+        top_logprobs: b.top_logprobs,
     })
 }
 
@@ -214,12 +222,26 @@ async fn generate(
                     "head": head,
                     "route": route.iter().map(|h| json!({"peer": h.peer, "layers": h.layers.to_string()})).collect::<Vec<_>>(),
                 }),
-                GenerationEvent::Token { index, id } => {
+                GenerationEvent::Token {
+                    index,
+                    id,
+                    logprobs,
+                } => {
                     tokens_so_far.push(id);
                     let text = decoder.as_mut().and_then(|d| d.push(id).ok());
-                    json!({"event": "token", "index": index, "id": id, "text": text})
+                    let mut line =
+                        json!({"event": "token", "index": index, "id": id, "text": text});
+                    if let Some(lp) = logprobs {
+                        line["logprobs"] = json!(lp);
+                    }
+                    line
                 }
-                GenerationEvent::Corrected { from, tokens, liar } => {
+                GenerationEvent::Corrected {
+                    from,
+                    tokens,
+                    logprobs,
+                    liar,
+                } => {
                     // Restart the text stream from the corrected sequence.
                     tokens_so_far.truncate(from as usize);
                     tokens_so_far.extend_from_slice(&tokens);
@@ -232,7 +254,11 @@ async fn generate(
                     let text = tokenizer
                         .as_ref()
                         .and_then(|t| t.decode(&tokens_so_far, true).ok());
-                    json!({"event": "corrected", "from": from, "tokens": tokens, "liar": liar, "text": text})
+                    let mut line = json!({"event": "corrected", "from": from, "tokens": tokens, "liar": liar, "text": text});
+                    if !logprobs.is_empty() {
+                        line["logprobs"] = json!(logprobs);
+                    }
+                    line
                 }
                 GenerationEvent::Done {
                     tokens,

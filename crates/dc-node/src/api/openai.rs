@@ -28,7 +28,7 @@ use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest};
+use dc_types::{GenerationEvent, GenerationId, GenerationRequest, TokenLogprobs, MAX_TOP_LOGPROBS};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
@@ -231,10 +231,6 @@ fn kind_of(v: &Value) -> &'static str {
     }
 }
 
-fn is_zero(v: &Value) -> bool {
-    v.as_f64() == Some(0.0)
-}
-
 fn is_empty(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty) || v.as_object().is_some_and(Map::is_empty)
 }
@@ -323,7 +319,7 @@ pub fn translate(served: &Served, endpoint: Endpoint, body: Value) -> Result<Tra
 }
 
 /// Refuses the parameters asking for what this server does not do (more than one choice,
-/// log-probabilities, logit biases, tools, structured output, …): ignoring them would silently
+/// logit biases, tools, structured output, …): ignoring them would silently
 /// give the client something else than it asked for.
 fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError> {
     f.refuse(
@@ -334,16 +330,6 @@ fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError
     f.refuse("logit_bias", is_empty, "logit_bias is not implemented")?;
     match endpoint {
         Endpoint::Chat => {
-            f.refuse(
-                "logprobs",
-                |v| v == &json!(false),
-                "log-probabilities are not returned",
-            )?;
-            f.refuse(
-                "top_logprobs",
-                is_zero,
-                "log-probabilities are not returned",
-            )?;
             f.refuse("tools", is_empty, "this server does no tool calling")?;
             f.refuse(
                 "functions",
@@ -368,7 +354,6 @@ fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError
             f.refuse("web_search_options", never, "this server does not search")?;
         }
         Endpoint::Completion => {
-            f.refuse("logprobs", never, "log-probabilities are not returned")?;
             f.refuse("echo", |v| v == &json!(false), "the prompt is not echoed")?;
             f.refuse("suffix", |v| v == "", "insertion is not implemented")?;
             f.refuse(
@@ -386,6 +371,7 @@ fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError
 struct Params {
     max_tokens: u32,
     sampling: SamplingParams,
+    top_logprobs: Option<u8>,
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
@@ -466,6 +452,7 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
             }
         },
     };
+    let top_logprobs = logprobs_asked(f, endpoint)?;
     let stop = stop_strings(f.take::<Value>("stop")?)?;
     let stream = f.take::<bool>("stream")?.unwrap_or(false);
     let ignore_eos = f.take::<bool>("ignore_eos")?.unwrap_or(false);
@@ -498,11 +485,49 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
     Ok(Params {
         max_tokens,
         sampling,
+        top_logprobs,
         stop,
         stream,
         include_usage,
         ignore_eos,
     })
+}
+
+/// How many alternatives per token the request wants log-probabilities of (none: no
+/// log-probabilities): chat's `logprobs: true` with `top_logprobs` (0 to 20), the legacy
+/// completions' `logprobs` (0 to 5).
+fn logprobs_asked(f: &mut Fields, endpoint: Endpoint) -> Result<Option<u8>, ApiError> {
+    let (name, n, max) = match endpoint {
+        Endpoint::Chat => {
+            let on = f.take::<bool>("logprobs")?.unwrap_or(false);
+            let top = f.take::<u32>("top_logprobs")?;
+            if top.is_some() && !on {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+            if !on {
+                return Ok(None);
+            }
+            (
+                "top_logprobs",
+                top.unwrap_or(0),
+                u32::from(MAX_TOP_LOGPROBS),
+            )
+        }
+        Endpoint::Completion => match f.take::<u32>("logprobs")? {
+            None => return Ok(None),
+            Some(n) => ("logprobs", n, 5),
+        },
+    };
+    if n > max {
+        return Err(ApiError::invalid(
+            name,
+            format!("{name} = {n}: it must be 0 to {max}"),
+        ));
+    }
+    Ok(Some(n as u8))
 }
 
 /// Takes the number `name`, which must lie in `range`.
@@ -830,6 +855,7 @@ fn request(
         chunk: (served.chunk as u32).clamp(1, crate::stage::MAX_HOP_ROWS as u32),
         verify: dc_types::VerifyMode::Sampled(served.audit_rate),
         resume: Vec::new(),
+        top_logprobs: p.top_logprobs,
     })
 }
 
@@ -986,21 +1012,47 @@ enum Step {
 }
 
 /// Turns the head's events into text: incremental detokenisation (special tokens skipped),
-/// stop strings and the count of generated tokens.
+/// stop strings, the count of generated tokens and their log-probabilities.
 #[derive(Debug)]
 struct Output {
+    tokenizer: Tokenizer,
     decoder: StreamDecoder,
     stops: StopScan,
     completion_tokens: usize,
+    /// Every token's log-probabilities so far, when asked for, and how many were handed out.
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    logprobs_taken: usize,
+    /// Where the next token's text starts in the choice's text (completions' `text_offset`).
+    text_offset: usize,
 }
 
 impl Output {
     fn new(tok: &Tokenizer, stops: Vec<String>) -> Output {
         Output {
+            tokenizer: tok.clone(),
             decoder: StreamDecoder::new(tok, true),
             stops: StopScan::new(stops),
             completion_tokens: 0,
+            logprobs: Vec::new(),
+            logprobs_taken: 0,
+            text_offset: 0,
         }
+    }
+
+    /// The log-probabilities of the tokens not handed out yet, in `endpoint`'s shape (none
+    /// when the request did not ask for them).
+    fn take_logprobs(&mut self, endpoint: Endpoint, asked: bool) -> Option<Value> {
+        if !asked {
+            return None;
+        }
+        let new = &self.logprobs[self.logprobs_taken.min(self.logprobs.len())..];
+        self.logprobs_taken = self.logprobs.len();
+        Some(match endpoint {
+            Endpoint::Chat => super::logprobs::chat(&self.tokenizer, new),
+            Endpoint::Completion => {
+                super::logprobs::completion(&self.tokenizer, new, &mut self.text_offset)
+            }
+        })
     }
 
     fn on_event(&mut self, ev: GenerationEvent) -> Step {
@@ -1008,9 +1060,25 @@ impl Output {
             GenerationEvent::Started { .. } => Step::Text(String::new()),
             // OpenAI's protocol cannot take back streamed text; the final `Done` carries the
             // corrected tokens (non-streaming answers are always the corrected ones).
-            GenerationEvent::Corrected { .. } => Step::Text(String::new()),
-            GenerationEvent::Token { id, .. } => {
+            GenerationEvent::Corrected {
+                from,
+                logprobs,
+                tokens,
+                ..
+            } => {
+                // Log-probabilities go with the corrected tokens (a stream resends them).
+                if logprobs.len() == tokens.len() && !logprobs.is_empty() {
+                    self.logprobs.truncate(from as usize);
+                    self.logprobs.extend(tokens.into_iter().zip(logprobs));
+                    self.logprobs_taken = self.logprobs_taken.min(from as usize);
+                }
+                Step::Text(String::new())
+            }
+            GenerationEvent::Token { id, logprobs, .. } => {
                 self.completion_tokens += 1;
+                if let Some(lp) = logprobs {
+                    self.logprobs.push((id, lp));
+                }
                 match self.decoder.push(id) {
                     Ok(piece) => match self.stops.push(&piece) {
                         (text, true) => Step::Finished(text, FinishReason::Stop),
@@ -1052,6 +1120,8 @@ struct Meta {
     model: String,
     fingerprint: String,
     prompt_tokens: usize,
+    /// Whether the request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Meta {
@@ -1063,18 +1133,24 @@ impl Meta {
         })
     }
 
-    fn response(&self, text: String, reason: FinishReason, completion_tokens: usize) -> Value {
+    fn response(
+        &self,
+        text: String,
+        reason: FinishReason,
+        completion_tokens: usize,
+        logprobs: Option<Value>,
+    ) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": reason.as_str(),
             }),
             Endpoint::Completion => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": reason.as_str(),
             }),
         };
@@ -1089,24 +1165,25 @@ impl Meta {
         })
     }
 
-    /// A streamed chunk: `delta` is the chat delta or the completion text.
-    fn chunk(&self, delta: Value, reason: Option<FinishReason>) -> Event {
+    /// A streamed chunk: `delta` is the chat delta or the completion text, `logprobs` those
+    /// of the tokens it carries.
+    fn chunk(&self, delta: Value, reason: Option<FinishReason>, logprobs: Option<Value>) -> Event {
         let reason = reason.map(FinishReason::as_str);
         let choice = match self.endpoint {
             Endpoint::Chat => {
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             }
             Endpoint::Completion => {
-                json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason})
             }
         };
         self.event(json!([choice]), None)
     }
 
-    fn text_chunk(&self, text: String) -> Event {
+    fn text_chunk(&self, text: String, logprobs: Option<Value>) -> Event {
         match self.endpoint {
-            Endpoint::Chat => self.chunk(json!({"content": text}), None),
-            Endpoint::Completion => self.chunk(json!(text), None),
+            Endpoint::Chat => self.chunk(json!({"content": text}), None, logprobs),
+            Endpoint::Completion => self.chunk(json!(text), None, logprobs),
         }
     }
 
@@ -1137,6 +1214,7 @@ async fn generate(d: Daemon, t: Translated) -> Result<Response, ApiError> {
     let tok = tokenizer(&Served::of(&d.node))?.clone();
     let generation = t.request.generation;
     let prompt_tokens = t.request.prompt.len();
+    let logprobs = t.request.top_logprobs.is_some();
     let run = Running::start(&d, t.request).await?;
     let meta = Meta {
         endpoint: t.endpoint,
@@ -1150,20 +1228,22 @@ async fn generate(d: Daemon, t: Translated) -> Result<Response, ApiError> {
             d.node.model_id.short()
         ),
         prompt_tokens,
+        logprobs,
     };
-    let out = Output::new(&tok, t.stop);
+    let mut out = Output::new(&tok, t.stop);
     if t.stream {
         return Ok(stream(meta, run, out, t.include_usage));
     }
-    let (text, reason, completion_tokens) = collect(run, out).await?;
-    Ok(Json(meta.response(text, reason, completion_tokens)).into_response())
+    let (text, reason, completion_tokens) = collect(run, &mut out).await?;
+    let logprobs = out.take_logprobs(meta.endpoint, meta.logprobs);
+    Ok(Json(meta.response(text, reason, completion_tokens, logprobs)).into_response())
 }
 
 /// Reads events until the choice ends. Returning drops `run`: a generation cut by a stop
 /// string ends there.
 async fn collect(
     mut run: Running,
-    mut out: Output,
+    out: &mut Output,
 ) -> Result<(String, FinishReason, usize), ApiError> {
     let mut text = String::new();
     loop {
@@ -1192,7 +1272,7 @@ fn stream(meta: Meta, mut run: Running, mut out: Output, include_usage: bool) ->
         // Each send fails once the client went away; returning then drops `run`.
         if meta.endpoint == Endpoint::Chat
             && tx
-                .send(meta.chunk(json!({"role": "assistant", "content": ""}), None))
+                .send(meta.chunk(json!({"role": "assistant", "content": ""}), None, None))
                 .await
                 .is_err()
         {
@@ -1205,20 +1285,24 @@ fn stream(meta: Meta, mut run: Running, mut out: Output, include_usage: bool) ->
             };
             match step {
                 Step::Text(t) if t.is_empty() => {}
+                // A chunk carries the log-probabilities of the tokens since the last one (text
+                // held back for a possible stop string holds them back too).
                 Step::Text(t) => {
-                    if tx.send(meta.text_chunk(t)).await.is_err() {
+                    let lp = out.take_logprobs(meta.endpoint, meta.logprobs);
+                    if tx.send(meta.text_chunk(t, lp)).await.is_err() {
                         return;
                     }
                 }
                 Step::Finished(t, reason) => {
                     drop(run);
-                    if !t.is_empty() && tx.send(meta.text_chunk(t)).await.is_err() {
+                    let lp = out.take_logprobs(meta.endpoint, meta.logprobs);
+                    let last = match meta.endpoint {
+                        Endpoint::Chat => meta.chunk(json!({}), Some(reason), lp),
+                        Endpoint::Completion => meta.chunk(json!(""), Some(reason), lp),
+                    };
+                    if !t.is_empty() && tx.send(meta.text_chunk(t, None)).await.is_err() {
                         return;
                     }
-                    let last = match meta.endpoint {
-                        Endpoint::Chat => meta.chunk(json!({}), Some(reason)),
-                        Endpoint::Completion => meta.chunk(json!(""), Some(reason)),
-                    };
                     if tx.send(last).await.is_err() {
                         return;
                     }
@@ -1417,7 +1501,7 @@ mod tests {
         assert!(refuse_unsupported(&mut f, Endpoint::Chat).is_ok());
         for (body, param) in [
             (json!({"n": 2}), "n"),
-            (json!({"logprobs": true}), "logprobs"),
+            (json!({"prediction": {"type": "content"}}), "prediction"),
             (json!({"tools": [{"type": "function"}]}), "tools"),
             (json!({"logit_bias": {"15": 3}}), "logit_bias"),
         ] {
@@ -1426,8 +1510,55 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param));
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
         }
-        let mut f = Fields::new(json!({"logprobs": 0})).expect("an object");
+        let mut f = Fields::new(json!({"echo": true})).expect("an object");
         assert!(refuse_unsupported(&mut f, Endpoint::Completion).is_err());
+    }
+
+    #[test]
+    fn log_probabilities_are_asked_as_each_endpoint_spells_it() {
+        let asked = |body: Value, endpoint| {
+            let mut f = Fields::new(body).expect("an object");
+            logprobs_asked(&mut f, endpoint).map_err(|e| e.param)
+        };
+        assert_eq!(asked(json!({}), Endpoint::Chat), Ok(None));
+        assert_eq!(asked(json!({"logprobs": false}), Endpoint::Chat), Ok(None));
+        assert_eq!(
+            asked(json!({"logprobs": true}), Endpoint::Chat),
+            Ok(Some(0))
+        );
+        assert_eq!(
+            asked(
+                json!({"logprobs": true, "top_logprobs": 20}),
+                Endpoint::Chat
+            ),
+            Ok(Some(20))
+        );
+        for body in [
+            json!({"logprobs": true, "top_logprobs": 21}),
+            json!({"top_logprobs": 2}),
+            json!({"logprobs": false, "top_logprobs": 2}),
+        ] {
+            assert_eq!(
+                asked(body, Endpoint::Chat),
+                Err(Some("top_logprobs".into()))
+            );
+        }
+        assert_eq!(
+            asked(json!({"logprobs": 2}), Endpoint::Chat),
+            Err(Some("logprobs".into()))
+        );
+        assert_eq!(
+            asked(json!({"logprobs": 5}), Endpoint::Completion),
+            Ok(Some(5))
+        );
+        assert_eq!(
+            asked(json!({"logprobs": null}), Endpoint::Completion),
+            Ok(None)
+        );
+        assert_eq!(
+            asked(json!({"logprobs": 6}), Endpoint::Completion),
+            Err(Some("logprobs".into()))
+        );
     }
 
     #[test]

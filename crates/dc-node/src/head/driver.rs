@@ -26,8 +26,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
+use dc_model::sampling::logprobs as token_logprobs;
 use dc_model::Activations;
-use dc_types::{GenerationEvent, GenerationRequest, VerifyMode};
+use dc_types::{GenerationEvent, GenerationRequest, TokenLogprobs, VerifyMode, MAX_TOP_LOGPROBS};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
@@ -66,6 +67,11 @@ async fn drive(
     tx: &mpsc::Sender<GenerationEvent>,
 ) -> Result<GenerationEvent, String> {
     check_resume(d, req)?;
+    if let Some(n) = req.top_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        return Err(format!(
+            "the request asks for {n} top log-probabilities; at most {MAX_TOP_LOGPROBS}"
+        ));
+    }
     // What the client holds: a later attempt recomputes it silently, a taken-over generation's
     // first attempt re-derives it from prefill.
     let mut delivered: Vec<u32> = req.resume.clone();
@@ -290,6 +296,9 @@ async fn run_attempt(
     let (mut at_pos, mut logits) = derived
         .pop_front()
         .ok_or_else(|| Stop::Failed("an empty prompt".into()))?;
+    // The log-probabilities of every token produced, when asked for (a correction resends
+    // them with its tokens).
+    let mut logprobs: Vec<TokenLogprobs> = Vec::new();
     let why = loop {
         // Sample.
         let (t, done) = match tl.next(&logits).map_err(|e| e.to_string())? {
@@ -302,6 +311,9 @@ async fn run_attempt(
         {
             return Err(Stop::Diverged);
         }
+        if let (Some(t), Some(n)) = (t, req.top_logprobs) {
+            logprobs.push(token_logprobs(&logits, t, n as usize));
+        }
         // Stream what the client does not hold yet.
         if let (Some(t), true) = (t, produced > replay) {
             d.node.stats.tokens.fetch_add(1, Ordering::Relaxed);
@@ -309,6 +321,7 @@ async fn run_attempt(
             let ev = GenerationEvent::Token {
                 index: produced as u32 - 1,
                 id: t,
+                logprobs: logprobs.last().cloned(),
             };
             if tx.send(ev).await.is_err() {
                 return Err(Stop::Failed("the client went away".into()));
@@ -316,7 +329,7 @@ async fn run_attempt(
         }
         // The recomputation has caught up with what the client holds: say what changed.
         if produced == replay || (done.is_some() && produced < replay) {
-            correct(d, tx, delivered, &tl.tokens).await?;
+            correct(d, tx, delivered, &tl.tokens, &logprobs).await?;
         }
         if let Some(why) = done {
             break why;
@@ -427,6 +440,7 @@ async fn correct(
     tx: &mpsc::Sender<GenerationEvent>,
     delivered: &mut Vec<u32>,
     new: &[u32],
+    logprobs: &[TokenLogprobs],
 ) -> Result<(), Stop> {
     let first = delivered
         .iter()
@@ -439,6 +453,7 @@ async fn correct(
     let ev = GenerationEvent::Corrected {
         from: from as u32,
         tokens: new[from..].to_vec(),
+        logprobs: logprobs.get(from..).map_or_else(Vec::new, <[_]>::to_vec),
         liar,
     };
     *delivered = new.to_vec();

@@ -183,7 +183,7 @@ async fn relay(
     tx: mpsc::Sender<GenerationEvent>,
     mut failed: Vec<String>,
 ) {
-    let mut bounds = EventBounds::new(req.max_new_tokens);
+    let mut bounds = EventBounds::new(req.max_new_tokens, req.top_logprobs);
     let mut held: Vec<u32> = Vec::new();
     loop {
         let why = match follow(&d, &head, &mut stream, &mut bounds, &mut held, &tx).await {

@@ -9,7 +9,7 @@ use dc_kernels::elementwise::log_sum_exp;
 use dc_model::generate::{
     generate as run_generation, logits_commitment, GenerateRequest, LocalPipeline,
 };
-use dc_model::sampling::{Penalties, SamplingParams};
+use dc_model::sampling::{logprobs, Penalties, SamplingParams};
 use dc_model::tokenizer::{load_for_model, StreamDecoder};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -53,7 +53,11 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
     let mut decoder = l.tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));
     let mut stdout = std::io::stdout().lock();
     let mut stream_err = None;
-    let out = run_generation(&mut pipeline, &gemm, &req, |t| {
+    let mut token_logprobs = Vec::new();
+    let out = run_generation(&mut pipeline, &gemm, &req, |t, row| {
+        if let Some(n) = a.top_logprobs {
+            token_logprobs.push(logprobs(row, t, n as usize));
+        }
         if a.json || stream_err.is_some() {
             return;
         }
@@ -78,16 +82,17 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
         None => None,
     };
     if a.json {
-        println!(
-            "{}",
-            json!({
-                "prompt_ids": prompt,
-                "tokens": out.tokens,
-                "text": text,
-                "stop": out.stop,
-                "final_logits": logits_commitment(pipeline.len() - 1, &out.final_logits).to_hex(),
-            })
-        );
+        let mut answer = json!({
+            "prompt_ids": prompt,
+            "tokens": out.tokens,
+            "text": text,
+            "stop": out.stop,
+            "final_logits": logits_commitment(pipeline.len() - 1, &out.final_logits).to_hex(),
+        });
+        if a.top_logprobs.is_some() {
+            answer["logprobs"] = json!(token_logprobs);
+        }
+        println!("{answer}");
     } else {
         let rest = match decoder.as_mut() {
             Some(d) => d.finish()?,

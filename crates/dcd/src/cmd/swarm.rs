@@ -82,6 +82,7 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
             .unwrap_or(Value::Null),
         corrections: Vec::new(),
         routes: Vec::new(),
+        logprobs: a.top_logprobs.map(|_| Vec::new()),
     };
     let mut line = String::new();
     loop {
@@ -100,12 +101,12 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
                 }
                 stdout.flush()?;
             }
-            Some("token") => {}
+            Some("token") => seen.token(&ev),
             Some("corrected") => {
                 if !a.json {
                     print_correction(&mut stdout, &ev)?;
                 }
-                seen.corrections.push(ev.clone());
+                seen.corrected(&ev);
             }
             Some("done") => {
                 if a.json {
@@ -156,6 +157,9 @@ fn generate_body(a: &GenerateArgs) -> Result<Value> {
     if a.frequency_penalty != 0.0 {
         body["frequency_penalty"] = json!(a.frequency_penalty);
     }
+    if let Some(n) = a.top_logprobs {
+        body["top_logprobs"] = json!(n);
+    }
     if let Some(v) = &a.verify {
         body["verify"] = json!(v);
     }
@@ -171,6 +175,8 @@ struct Transcript {
     corrections: Vec<Value>,
     /// Every route the head tried: more than one when it recomputed without a peer.
     routes: Vec<Value>,
+    /// Each token's log-probabilities, when asked for (`--top-logprobs`).
+    logprobs: Option<Vec<Value>>,
 }
 
 impl Transcript {
@@ -189,9 +195,26 @@ impl Transcript {
         }
     }
 
+    /// A `token` event: keeps its log-probabilities.
+    fn token(&mut self, ev: &Value) {
+        if let Some(all) = &mut self.logprobs {
+            all.push(ev["logprobs"].clone());
+        }
+    }
+
+    /// A `corrected` event: the tokens from `from` on were replaced, and so were their
+    /// log-probabilities.
+    fn corrected(&mut self, ev: &Value) {
+        if let Some(all) = &mut self.logprobs {
+            all.truncate(ev["from"].as_u64().unwrap_or(0) as usize);
+            all.extend(ev["logprobs"].as_array().into_iter().flatten().cloned());
+        }
+        self.corrections.push(ev.clone());
+    }
+
     /// The `--json` answer once the `done` event `ev` came.
     fn done_json(&self, ev: &Value) -> Value {
-        json!({
+        let mut answer = json!({
             "prompt_ids": self.prompt_ids,
             "tokens": ev["tokens"],
             "text": ev["text"],
@@ -199,7 +222,11 @@ impl Transcript {
             "final_logits": ev["final_logits"],
             "corrections": self.corrections,
             "routes": self.routes,
-        })
+        });
+        if let Some(all) = &self.logprobs {
+            answer["logprobs"] = json!(all);
+        }
+        answer
     }
 }
 
