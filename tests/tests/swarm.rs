@@ -55,6 +55,8 @@ fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
             "--seed",
             seed,
             "--ignore-eos",
+            "--top-logprobs",
+            "3",
         ];
         args.extend_from_slice(extra);
         let what = format!("{m}: temperature {t}, seed {seed}, {extra:?}");
@@ -66,10 +68,15 @@ fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
         let local = generate_json(&local_args);
         assert_eq!(swarm["tokens"], local["tokens"], "{what}");
         assert_eq!(swarm["final_logits"], local["final_logits"], "{what}");
-        assert_eq!(
-            swarm["tokens"].as_array().unwrap().len(),
-            max_new.parse::<usize>().unwrap()
-        );
+        assert_eq!(swarm["logprobs"], local["logprobs"], "{what}");
+        let n = max_new.parse::<usize>().unwrap();
+        assert_eq!(swarm["tokens"].as_array().unwrap().len(), n);
+        let logprobs = swarm["logprobs"].as_array().expect("logprobs");
+        assert_eq!(logprobs.len(), n, "{what}");
+        for lp in logprobs {
+            assert!(lp["logprob"].as_f64() <= Some(0.0), "{what}: {lp}");
+            assert_eq!(lp["top"].as_array().map(Vec::len), Some(3), "{what}: {lp}");
+        }
         if extra.is_empty() {
             plain_local.push(local["tokens"].clone());
         } else {

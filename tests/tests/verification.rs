@@ -57,11 +57,25 @@ fn lie_is_caught(model: &Path, head_extra: &[&str], fault: &str) -> Value {
     let (a, b, l) = swarm_with_liar(dir.path(), model, head_extra, fault);
     // 24 tokens: a liar on half its hops (stale:0.5) lies at least once but with
     // probability 2^-23 (its fault coins are per generation, so this is random).
-    let want = local(model, "24", "3", "0.7");
-    let got = through(&a.api, &[], "24", "3", "0.7");
-    // The client ends with the honest tokens and final logits.
+    // With log-probabilities: a correction must replace those of the tokens it replaces.
+    let logprobs = ["--top-logprobs", "2"];
+    let want = run(
+        &["--model", model.to_str().unwrap()],
+        &logprobs,
+        "24",
+        "3",
+        "0.7",
+    );
+    let got = through(&a.api, &logprobs, "24", "3", "0.7");
+    // The client ends with the honest tokens, final logits and log-probabilities.
     assert_eq!(got["tokens"], want["tokens"], "{fault}");
     assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
+    assert_eq!(got["logprobs"], want["logprobs"], "{fault}");
+    assert_eq!(
+        got["logprobs"].as_array().map(Vec::len),
+        Some(24),
+        "{fault}"
+    );
     assert_eq!(
         a.excluded(),
         vec![l.peer_id.clone()],

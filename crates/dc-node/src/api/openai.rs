@@ -1007,6 +1007,9 @@ enum Step {
     Text(String),
     /// The last text and why the choice ended.
     Finished(String, FinishReason),
+    /// The whole text, which replaces all sent before (a correction changed tokens already
+    /// decoded), and why the choice ended.
+    Rewritten(String, FinishReason),
     /// The generation failed.
     Failed(String),
 }
@@ -1018,6 +1021,10 @@ struct Output {
     tokenizer: Tokenizer,
     decoder: StreamDecoder,
     stops: StopScan,
+    /// The stop strings again, to scan a rewritten text from its start.
+    stop_strings: Vec<String>,
+    /// Whether the head corrected tokens it had sent (a proven liar's work).
+    corrected: bool,
     completion_tokens: usize,
     /// Every token's log-probabilities so far, when asked for, and how many were handed out.
     logprobs: Vec<(u32, TokenLogprobs)>,
@@ -1031,7 +1038,9 @@ impl Output {
         Output {
             tokenizer: tok.clone(),
             decoder: StreamDecoder::new(tok, true),
-            stops: StopScan::new(stops),
+            stops: StopScan::new(stops.clone()),
+            stop_strings: stops,
+            corrected: false,
             completion_tokens: 0,
             logprobs: Vec::new(),
             logprobs_taken: 0,
@@ -1055,22 +1064,44 @@ impl Output {
         })
     }
 
+    /// The whole text of the final `tokens` (the head's `stop` reason), cut at the first stop
+    /// string.
+    fn rewrite(&self, tokens: &[u32], stop: &str) -> Step {
+        let full = match self.tokenizer.decode(tokens, true) {
+            Ok(t) => t,
+            Err(e) => return Step::Failed(format!("decoding the corrected tokens: {e}")),
+        };
+        let mut scan = StopScan::new(self.stop_strings.clone());
+        match scan.push(&full) {
+            (text, true) => Step::Rewritten(text, FinishReason::Stop),
+            (mut text, false) => {
+                text.push_str(&scan.flush());
+                let reason = if stop == "stop" {
+                    FinishReason::Stop
+                } else {
+                    FinishReason::Length
+                };
+                Step::Rewritten(text, reason)
+            }
+        }
+    }
+
     fn on_event(&mut self, ev: GenerationEvent) -> Step {
         match ev {
             GenerationEvent::Started { .. } => Step::Text(String::new()),
-            // OpenAI's protocol cannot take back streamed text; the final `Done` carries the
-            // corrected tokens (non-streaming answers are always the corrected ones).
+            // OpenAI's protocol cannot take back streamed text (nor the log-probabilities sent
+            // with it); the final `Done` carries the corrected tokens, and a non-streaming
+            // answer is rewritten from them.
             GenerationEvent::Corrected {
                 from,
                 logprobs,
                 tokens,
                 ..
             } => {
-                // Log-probabilities go with the corrected tokens (a stream resends them).
+                self.corrected = true;
                 if logprobs.len() == tokens.len() && !logprobs.is_empty() {
                     self.logprobs.truncate(from as usize);
                     self.logprobs.extend(tokens.into_iter().zip(logprobs));
-                    self.logprobs_taken = self.logprobs_taken.min(from as usize);
                 }
                 Step::Text(String::new())
             }
@@ -1089,6 +1120,9 @@ impl Output {
             }
             GenerationEvent::Done { tokens, stop, .. } => {
                 self.completion_tokens = tokens.len();
+                if self.corrected {
+                    return self.rewrite(&tokens, &stop);
+                }
                 let rest = match self.decoder.finish() {
                     Ok(r) => r,
                     Err(e) => return Step::Failed(format!("decoding the last tokens: {e}")),
@@ -1258,6 +1292,7 @@ async fn collect(
                 text.push_str(&t);
                 return Ok((text, reason, out.completion_tokens));
             }
+            Step::Rewritten(t, reason) => return Ok((t, reason, out.completion_tokens)),
             Step::Failed(m) => return Err(ApiError::internal(m)),
         }
     }
@@ -1283,6 +1318,8 @@ fn stream(meta: Meta, mut run: Running, mut out: Output, include_usage: bool) ->
                 Some(ev) => out.on_event(ev),
                 None => Step::Failed("the generation stopped without a result".into()),
             };
+            // What was streamed stays: a stream cannot take text back.
+            let rewritten = matches!(step, Step::Rewritten(..));
             match step {
                 Step::Text(t) if t.is_empty() => {}
                 // A chunk carries the log-probabilities of the tokens since the last one (text
@@ -1293,7 +1330,8 @@ fn stream(meta: Meta, mut run: Running, mut out: Output, include_usage: bool) ->
                         return;
                     }
                 }
-                Step::Finished(t, reason) => {
+                Step::Finished(t, reason) | Step::Rewritten(t, reason) => {
+                    let t = if rewritten { String::new() } else { t };
                     drop(run);
                     let lp = out.take_logprobs(meta.endpoint, meta.logprobs);
                     let last = match meta.endpoint {
@@ -1413,6 +1451,77 @@ pub fn router() -> Router<Daemon> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A word-level tokenizer of four words, whose decoding joins them with spaces.
+    fn words() -> Tokenizer {
+        Tokenizer::from_json(
+            r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+                "post_processor": null, "decoder": null,
+                "model": {"type": "WordLevel", "unk_token": "[UNK]",
+                          "vocab": {"red": 0, "blue": 1, "green": 2, "[UNK]": 3}}}"#,
+        )
+        .expect("a word-level tokenizer")
+    }
+
+    /// The steps of `out` for tokens `sent`, a correction from index 1 to `corrected`, and the
+    /// end.
+    fn steps_with_a_correction(out: &mut Output, sent: &[u32], corrected: &[u32]) -> Vec<Step> {
+        let lp = |id: u32| TokenLogprobs {
+            logprob: -(id as f32),
+            top: vec![(id, -(id as f32))],
+        };
+        let mut events: Vec<GenerationEvent> = sent
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| GenerationEvent::Token {
+                index: i as u32,
+                id,
+                logprobs: Some(lp(id)),
+            })
+            .collect();
+        events.push(GenerationEvent::Corrected {
+            from: 1,
+            tokens: corrected.to_vec(),
+            logprobs: corrected.iter().map(|&id| lp(id)).collect(),
+            liar: "liar".into(),
+        });
+        let mut all = vec![sent[0]];
+        all.extend_from_slice(corrected);
+        events.push(GenerationEvent::Done {
+            tokens: all,
+            stop: "length".into(),
+            final_logits: Default::default(),
+        });
+        events.into_iter().map(|ev| out.on_event(ev)).collect()
+    }
+
+    #[test]
+    fn a_correction_rewrites_the_answer_and_its_log_probabilities() {
+        let tok = words();
+        let mut out = Output::new(&tok, Vec::new());
+        let steps = steps_with_a_correction(&mut out, &[0, 1], &[2, 0]);
+        match steps.last() {
+            Some(Step::Rewritten(text, FinishReason::Length)) => {
+                assert_eq!(text, &tok.decode(&[0, 2, 0], true).unwrap());
+            }
+            other => panic!("not rewritten: {other:?}"),
+        }
+        assert_eq!(out.completion_tokens, 3);
+        let ids: Vec<u32> = out.logprobs.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            ids,
+            [0, 2, 0],
+            "the log-probabilities follow the correction"
+        );
+        // A stop string in the corrected text cuts the rewritten one.
+        let mut out = Output::new(&tok, vec!["green".into()]);
+        let steps = steps_with_a_correction(&mut out, &[0, 1], &[2, 0]);
+        match steps.last() {
+            Some(Step::Rewritten(text, FinishReason::Stop)) => assert_eq!(text, "red "),
+            other => panic!("not cut at the stop string: {other:?}"),
+        }
+    }
 
     fn scan(stops: &[&str], pieces: &[&str]) -> (String, bool) {
         let mut s = StopScan::new(stops.iter().map(|s| s.to_string()).collect());

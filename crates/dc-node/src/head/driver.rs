@@ -74,8 +74,11 @@ async fn drive(
     }
     // What the client holds: a later attempt recomputes it silently, a taken-over generation's
     // first attempt re-derives it from prefill.
-    let mut delivered: Vec<u32> = req.resume.clone();
-    let mut fast_forward = !delivered.is_empty();
+    let mut delivered = Delivered {
+        tokens: req.resume.clone(),
+        logprobs: vec![None; req.resume.len()],
+    };
+    let mut fast_forward = !delivered.tokens.is_empty();
     // Peers whose answers this generation could not use, and why: later attempts go without
     // them. Not an exclusion (nothing is proven, and other generations still use them).
     let mut avoid: Avoided = Vec::new();
@@ -254,6 +257,27 @@ async fn end_attempt(
     }
 }
 
+/// What the client holds: the tokens, and beside each its log-probabilities when they were
+/// asked for and sent from here (not for the tokens a generation was taken over with).
+struct Delivered {
+    tokens: Vec<u32>,
+    logprobs: Vec<Option<TokenLogprobs>>,
+}
+
+impl Delivered {
+    /// The first position where `tokens` (with `logprobs`, when asked for) differ from what
+    /// the client holds: a lie that left the tokens alone still changed their probabilities.
+    fn first_difference(&self, tokens: &[u32], logprobs: &[TokenLogprobs]) -> Option<usize> {
+        let held = self.tokens.iter().zip(&self.logprobs);
+        held.zip(tokens)
+            .enumerate()
+            .position(|(i, ((a, lp), b))| {
+                a != b || lp.as_ref().is_some_and(|lp| logprobs.get(i) != Some(lp))
+            })
+            .or((self.tokens.len() != tokens.len()).then_some(self.tokens.len().min(tokens.len())))
+    }
+}
+
 /// One pass over the generation: the prompt's laps, then sample → stream → lap until the
 /// sampler stops. Tokens already `delivered` by an earlier attempt are recomputed silently;
 /// if the new ones differ, one `Corrected` event carries them. With `fast_forward` they are
@@ -263,7 +287,7 @@ async fn run_attempt(
     req: &GenerationRequest,
     at: &mut Attempt,
     tx: &mpsc::Sender<GenerationEvent>,
-    delivered: &mut Vec<u32>,
+    delivered: &mut Delivered,
     fast_forward: bool,
 ) -> Result<GenerationEvent, Stop> {
     let greq = GenerateRequest {
@@ -275,9 +299,9 @@ async fn run_attempt(
     };
     let mut tl =
         TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;
-    let replay = delivered.len();
+    let replay = delivered.tokens.len();
     let known: Vec<u32> = if fast_forward {
-        delivered.clone()
+        delivered.tokens.clone()
     } else {
         Vec::new()
     };
@@ -317,7 +341,8 @@ async fn run_attempt(
         // Stream what the client does not hold yet.
         if let (Some(t), true) = (t, produced > replay) {
             d.node.stats.tokens.fetch_add(1, Ordering::Relaxed);
-            delivered.push(t);
+            delivered.tokens.push(t);
+            delivered.logprobs.push(logprobs.last().cloned());
             let ev = GenerationEvent::Token {
                 index: produced as u32 - 1,
                 id: t,
@@ -438,16 +463,13 @@ async fn readout(d: &Daemon, x: Activations) -> Result<VecDeque<(usize, Vec<f32>
 async fn correct(
     d: &Daemon,
     tx: &mpsc::Sender<GenerationEvent>,
-    delivered: &mut Vec<u32>,
+    delivered: &mut Delivered,
     new: &[u32],
     logprobs: &[TokenLogprobs],
 ) -> Result<(), Stop> {
-    let first = delivered
-        .iter()
-        .zip(new)
-        .position(|(a, b)| a != b)
-        .or((delivered.len() != new.len()).then_some(delivered.len().min(new.len())));
-    let Some(from) = first else { return Ok(()) };
+    let Some(from) = delivered.first_difference(new, logprobs) else {
+        return Ok(());
+    };
     let liar = d.checks.last_excluded().unwrap_or_default();
     d.node.stats.corrections.fetch_add(1, Ordering::Relaxed);
     let ev = GenerationEvent::Corrected {
@@ -456,7 +478,8 @@ async fn correct(
         logprobs: logprobs.get(from..).map_or_else(Vec::new, <[_]>::to_vec),
         liar,
     };
-    *delivered = new.to_vec();
+    delivered.tokens = new.to_vec();
+    delivered.logprobs = (0..new.len()).map(|i| logprobs.get(i).cloned()).collect();
     tx.send(ev)
         .await
         .map_err(|_| Stop::Failed("the client went away".into()))
