@@ -276,6 +276,57 @@ def main():
         offsets = [sum(len(t.encode()) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
         c.check("completion text_offset", lp.text_offset == offsets, (lp.text_offset, offsets))
 
+    def json_output():
+        # JSON mode on real prompts asking for JSON: every answer parses as one object,
+        # greedy or seeded, roomy or on a tight budget (the document is closed in time).
+        asks = [
+            "Give me a JSON object describing a cat with name and age.",
+            "Return a JSON object with the keys city and country for Paris.",
+            "List three fruits as JSON.",
+            "Describe a book (title, author, year) in JSON.",
+            "Make a JSON object for a user profile with an email address.",
+            "Output the weather for today as JSON.",
+            "Write a JSON object with a list of the first five prime numbers.",
+            "Create a JSON recipe for pancakes with ingredients and steps.",
+            "Give a JSON object mapping three colours to their hex codes.",
+            "Return JSON describing a car: make, model, electric true or false.",
+            "Summarise the planet Mars as a JSON object.",
+            "Give me a JSON object with a nested address for a company.",
+            "Provide a JSON object counting the vowels in the word banana.",
+            "Encode a shopping list as JSON with quantities.",
+            "Produce a JSON object describing a movie with a rating out of 10.",
+            "Return a JSON object with a greeting in French, Spanish and German.",
+            "Give JSON for a point in 3D space with negative and decimal coordinates.",
+            "Make a JSON object of a to-do item with a done flag and null due date.",
+            "Describe your favourite song as JSON, quotes in the title escaped.",
+            "Write a JSON object of an HTTP response with status 404 and headers.",
+        ]
+        results = []
+        for i, ask in enumerate(asks):
+            kw = dict(model=model, messages=[{"role": "user", "content": ask}],
+                      response_format={"type": "json_object"})
+            if i % 4 == 3:
+                kw.update(max_tokens=6, temperature=0)
+            elif i % 2:
+                kw.update(max_tokens=64, temperature=0.8, seed=i)
+            else:
+                kw.update(max_tokens=64, temperature=0)
+            a = client.chat.completions.create(**kw)
+            text = a.choices[0].message.content
+            try:
+                ok = isinstance(json.loads(text), dict)
+            except ValueError:
+                ok = False
+            results.append((ok, ask, text, a.choices[0].finish_reason, a.usage.completion_tokens))
+        c.check("json_object: every answer is one JSON object", all(r[0] for r in results),
+                [r for r in results if not r[0]])
+        c.check("json_object: a tight budget still closes the document",
+                all(r[4] <= 6 for i, r in enumerate(results) if i % 4 == 3), results)
+        texts["json"] = [r[2] for r in results]
+        streamed = chat_stream(client, model=model, messages=[{"role": "user", "content": asks[0]}],
+                               response_format={"type": "json_object"}, max_tokens=64, temperature=0)[0]
+        c.check("json_object when streaming", streamed == results[0][2], (streamed, results[0][2]))
+
     def errors():
         try:
             client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=2)
@@ -318,6 +369,7 @@ def main():
         ("stop", stop_strings),
         ("seed", seeds),
         ("logprobs", logprobs),
+        ("json_output", json_output),
         ("errors", errors),
         ("client goes away", client_goes_away),
     ]:

@@ -459,6 +459,7 @@ fn forwarded(model_id: ModelId, max_new_tokens: u32) -> GenerationRequest {
         verify: VerifyMode::Sampled(0.0),
         resume: vec![],
         top_logprobs: None,
+        json_output: false,
     }
 }
 

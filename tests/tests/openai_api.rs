@@ -395,6 +395,9 @@ const PYTHON_CHECKS: &[&str] = &[
     "completion logprobs spell the text",
     "completion logprobs are log-probabilities",
     "completion text_offset",
+    "json_object: every answer is one JSON object",
+    "json_object: a tight budget still closes the document",
+    "json_object when streaming",
     "n=2 is refused",
     "unknown model is refused",
     "tools are refused",
@@ -541,7 +544,7 @@ fn bad_requests(api: &str, model: &str, max_positions: usize) {
             "tools",
         ),
         (
-            json!({"messages": msgs, "response_format": {"type": "json_object"}}),
+            json!({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
             "response_format",
         ),
         (

@@ -87,6 +87,38 @@ fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
     assert!(changed, "{m}: the penalties changed no token");
 }
 
+/// JSON output through the swarm (`api`) equals a local run of `model`, and is one JSON
+/// object, greedy and seeded, roomy and on a tight budget.
+fn assert_json_same_as_local(model: &Path, api: &str) {
+    let m = model.to_str().unwrap();
+    for (t, seed, max_new) in [("0", "0", "48"), ("0.8", "3", "48"), ("0", "0", "7")] {
+        let args = [
+            "--prompt",
+            "Describe a cat as a JSON object with its name and age:",
+            "--json-output",
+            "--max-new-tokens",
+            max_new,
+            "--temperature",
+            t,
+            "--seed",
+            seed,
+        ];
+        let what = format!("{m}: JSON output, temperature {t}, seed {seed}, {max_new} tokens");
+        let swarm = generate_json(&[&["--api", api], &args[..]].concat());
+        let local = generate_json(&[&["--model", m], &args[..]].concat());
+        assert_eq!(swarm["tokens"], local["tokens"], "{what}");
+        assert_eq!(swarm["final_logits"], local["final_logits"], "{what}");
+        let text = local["text"].as_str().expect("text");
+        let doc: serde_json::Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text:?}"));
+        assert!(doc.is_object(), "{what}: {text:?}");
+        assert_eq!(
+            local["stop"], "stop",
+            "{what}: the document ends the generation"
+        );
+    }
+}
+
 fn coverage_complete(d: &Daemon, layers: usize) -> bool {
     let s = d.status();
     s["coverage"]
@@ -102,6 +134,7 @@ fn three_daemons_and_an_auto_one(
     gap: &str,
     auto_layers: u64,
     prompt: &str,
+    json: bool,
 ) {
     let dir = tempfile::tempdir().unwrap();
     let a = Daemon::start(dir.path(), "a", model, &["--layers", ranges[0]]);
@@ -145,6 +178,9 @@ fn three_daemons_and_an_auto_one(
     // Through a daemon without the head weights: the request is forwarded to the elected head.
     assert_same_as_local(model, &b.api, prompt, "12");
     assert_same_as_local(model, &d.api, prompt, "5");
+    if json {
+        assert_json_same_as_local(model, &b.api);
+    }
     for (name, x) in [("b", &b), ("c", &c), ("d", &d)] {
         assert!(
             x.status()["hops_served"].as_u64().unwrap() > 0,
@@ -162,6 +198,7 @@ fn gpt2_swarm_equals_local() {
         "2..3",
         1,
         "5,17,99,3,250,41,7,0,12",
+        false,
     );
 }
 
@@ -173,6 +210,7 @@ fn llama_swarm_equals_local() {
         "1..2",
         1,
         "1,2,3,4,5,6,7",
+        false,
     );
 }
 
@@ -189,6 +227,7 @@ fn mistral_swarm_with_sliding_window_equals_local() {
         "1..2",
         1,
         &prompt,
+        false,
     );
 }
 
@@ -202,6 +241,7 @@ fn smollm2_swarm_equals_local() {
         "20..25",
         5,
         "504,3458,282,4649,314",
+        true,
     );
 }
 

@@ -133,6 +133,7 @@ fn generation_request() -> GenerationRequest {
         verify: VerifyMode::Sampled(0.1),
         resume: vec![5],
         top_logprobs: Some(3),
+        json_output: false,
     }
 }
 

@@ -139,6 +139,7 @@ pub fn generation_request(data: &[u8]) {
         sampling: dc_node::head::sampling(&req),
         stop_tokens: req.stop_tokens.clone(),
         chunk: req.chunk.max(1) as usize,
+        json: None,
     };
     let Ok(mut tl) = TokenLoop::new(&greq, POSITIONS) else {
         return;

@@ -8,9 +8,10 @@ use dc_kernels::Gemm;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
+use crate::json_output::{JsonConstraint, TokenTexts};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
-use crate::sampling::{sample_after, SamplingParams};
+use crate::sampling::{sample_constrained, SamplingParams};
 
 /// Splits `layers` layers into `stages` contiguous ranges of near-equal size.
 pub fn split_layers(layers: usize, stages: usize) -> Result<Vec<Range<usize>>> {
@@ -37,6 +38,8 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Prefill chunk size (positions per pass through the stages).
     pub chunk: usize,
+    /// Constrain the output to one JSON object, with these token texts (none: free text).
+    pub json: Option<std::sync::Arc<TokenTexts>>,
 }
 
 /// Why a generation ended.
@@ -147,6 +150,7 @@ pub struct TokenLoop {
     max_positions: usize,
     sampling: SamplingParams,
     stop_tokens: Vec<u32>,
+    json: Option<JsonConstraint>,
     /// New tokens so far.
     pub tokens: Vec<u32>,
 }
@@ -171,6 +175,7 @@ impl TokenLoop {
             max_positions,
             sampling: req.sampling.clone(),
             stop_tokens: req.stop_tokens.clone(),
+            json: req.json.clone().map(JsonConstraint::new),
             tokens: Vec::new(),
         })
     }
@@ -182,9 +187,33 @@ impl TokenLoop {
         }
         // The token sampled here takes absolute position `pos`.
         let pos = self.prompt.len() + self.tokens.len();
-        let t = sample_after(logits, &self.sampling, pos, &self.prompt, &self.tokens)?;
+        // JSON output: only tokens that keep the document valid and closable in the tokens
+        // left after this one (the new ones and the model's positions, whichever ends first).
+        let allowed = match &self.json {
+            Some(c) => {
+                let left = (self.max_new_tokens - self.tokens.len() - 1)
+                    .min(self.max_positions.saturating_sub(pos + 1));
+                Some(c.allowed(logits.len(), left)?)
+            }
+            None => None,
+        };
+        let t = sample_constrained(
+            logits,
+            &self.sampling,
+            pos,
+            &self.prompt,
+            &self.tokens,
+            allowed.as_deref(),
+        )?;
         self.tokens.push(t);
-        Ok(if self.stop_tokens.contains(&t) {
+        let json_done = match &mut self.json {
+            Some(c) => {
+                c.push(t)?;
+                c.is_complete()
+            }
+            None => false,
+        };
+        Ok(if self.stop_tokens.contains(&t) || json_done {
             Next::Last(t, StopReason::Stop)
         } else if self.tokens.len() >= self.max_new_tokens {
             Next::Last(t, StopReason::Length)

@@ -13,6 +13,7 @@ pub mod generate;
 pub mod gguf;
 pub mod hf;
 pub mod identity;
+pub mod json_output;
 pub mod kv_cache;
 pub mod model;
 pub mod open;

@@ -236,35 +236,63 @@ pub fn sample_after(
     prompt: &[u32],
     generated: &[u32],
 ) -> Result<u32> {
+    sample_constrained(logits, params, pos, prompt, generated, None)
+}
+
+/// Like [`sample_after`], among the tokens `allowed` marks only (all when `None`): the others
+/// are removed before anything else, as if the vocabulary had only the allowed ones.
+pub fn sample_constrained(
+    logits: &[f32],
+    params: &SamplingParams,
+    pos: usize,
+    prompt: &[u32],
+    generated: &[u32],
+    allowed: Option<&[bool]>,
+) -> Result<u32> {
     if params.penalties.is_off() {
-        return sample(logits, params, pos);
+        return sample_among(logits, params, pos, allowed);
     }
     let mut penalised = logits.to_vec();
     params.penalties.apply(&mut penalised, prompt, generated);
-    sample(&penalised, params, pos)
+    sample_among(&penalised, params, pos, allowed)
 }
 
 /// Chooses the token at absolute position `pos` from one row of logits (penalties are not
 /// applied: see [`sample_after`]).
 pub fn sample(logits: &[f32], params: &SamplingParams, pos: usize) -> Result<u32> {
+    sample_among(logits, params, pos, None)
+}
+
+fn sample_among(
+    logits: &[f32],
+    params: &SamplingParams,
+    pos: usize,
+    allowed: Option<&[bool]>,
+) -> Result<u32> {
     if logits.is_empty() {
         return Err(ModelError::Input("no logits to sample from".into()));
     }
     if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
         return Err(ModelError::Input(format!("logit {i} is {}", logits[i])));
     }
+    let ok = |i: usize| allowed.is_none_or(|a| a.get(i).copied().unwrap_or(false));
+    if !(0..logits.len()).any(ok) {
+        return Err(ModelError::Input("no token is allowed here".into()));
+    }
     if params.temperature == 0.0 {
-        // First index of the maximum.
-        let mut best = 0;
+        // First index of the maximum among the allowed.
+        let mut best: Option<usize> = None;
         for (i, &v) in logits.iter().enumerate() {
-            if v > logits[best] {
-                best = i;
+            if ok(i) && best.is_none_or(|b| v > logits[b]) {
+                best = Some(i);
             }
         }
-        return Ok(best as u32);
+        return Ok(best.unwrap_or(0) as u32);
     }
     // Candidates, most likely first; ties by lower id, so the order is total.
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let mut idx: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| ok(i as usize))
+        .collect();
     idx.sort_by(|&a, &b| {
         logits[b as usize]
             .total_cmp(&logits[a as usize])
@@ -321,6 +349,34 @@ pub fn sample(logits: &[f32], params: &SamplingParams, pos: usize) -> Result<u32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_allowed_tokens_are_chosen() {
+        let logits = [3.0, 1.0, 2.0, 2.0];
+        let allowed = [false, true, true, true];
+        let greedy = SamplingParams::default();
+        assert_eq!(
+            sample_constrained(&logits, &greedy, 0, &[], &[], Some(&allowed)).unwrap(),
+            2
+        );
+        let hot = SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..SamplingParams::default()
+        };
+        for pos in 0..200 {
+            let t = sample_constrained(&logits, &hot, pos, &[], &[], Some(&allowed)).unwrap();
+            assert_ne!(t, 0, "position {pos}");
+        }
+        // All allowed is the same as no constraint.
+        for pos in 0..50 {
+            assert_eq!(
+                sample_constrained(&logits, &hot, pos, &[], &[], Some(&[true; 4])).unwrap(),
+                sample(&logits, &hot, pos).unwrap()
+            );
+        }
+        assert!(sample_constrained(&logits, &hot, 0, &[], &[], Some(&[false; 4])).is_err());
+    }
 
     #[test]
     fn greedy_takes_the_first_maximum() {

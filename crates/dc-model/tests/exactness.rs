@@ -118,6 +118,7 @@ fn generation_with_the_cache_equals_recomputation() {
                 sampling,
                 stop_tokens: vec![],
                 chunk: 4,
+                json: None,
             };
             let mut p = LocalPipeline::new(&model, 3).unwrap();
             let out = generate(&mut p, &gemm, &req, |_, _| {}).unwrap();

@@ -37,8 +37,8 @@ pub use wire::{decode, encode, WireError};
 ///    records and commitments are protocol 9's.
 /// 11: a generation request's sampling carries min-p and the repetition, presence and
 ///    frequency penalties (`WireSampling`), and the request may ask for log-probabilities,
-///    which token and correction events then carry; hop records and commitments are
-///    protocol 9's.
+///    which token and correction events then carry, and JSON output; hop records and
+///    commitments are protocol 9's.
 pub const PROTOCOL_VERSION: u32 = 11;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose

@@ -476,6 +476,8 @@ pub struct GenerationRequest {
     /// With each new token, its log-probability and those of this many most likely tokens
     /// (none: no log-probabilities; at most [`MAX_TOP_LOGPROBS`]).
     pub top_logprobs: Option<u8>,
+    /// Constrain the output to one JSON object (the head needs the model's tokenizer).
+    pub json_output: bool,
     /// The new tokens the client already holds (empty for a new generation): the next head
     /// takes a generation over from here when its head dies. The head re-derives them before
     /// it streams anything new, and corrects the client if they are not what it computes.

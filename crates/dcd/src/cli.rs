@@ -292,6 +292,9 @@ pub struct GenerateArgs {
     /// Print {"prompt_ids", "tokens", "text"} as JSON at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Constrain the output to one JSON object (it ends the generation once complete).
+    #[arg(long)]
+    pub json_output: bool,
     /// With --json: add "logprobs", each token's log-probability and those of the N most
     /// likely tokens at its position (N at most 20).
     #[arg(long, requires = "json", value_parser = clap::value_parser!(u8).range(0..=20))]

@@ -58,6 +58,9 @@ pub struct GenerateBody {
     /// Keep going past end-of-sequence tokens.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Constrain the output to one JSON object.
+    #[serde(default)]
+    pub json_output: bool,
     /// Prefill chunk size.
     pub chunk: Option<u32>,
     /// `"all"`: every hop re-run by a second peer before its token is released; `"sample"`
@@ -170,6 +173,7 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
         verify,
         resume: Vec::new(),
         top_logprobs: b.top_logprobs,
+        json_output: b.json_output,
     })
 }
 

@@ -343,11 +343,6 @@ fn refuse_unsupported(f: &mut Fields, endpoint: Endpoint) -> Result<(), ApiError
                 no_call,
                 "this server does no function calling",
             )?;
-            f.refuse(
-                "response_format",
-                |v| v == &json!({"type": "text"}),
-                "only plain text output ({\"type\": \"text\"})",
-            )?;
             f.refuse("modalities", |v| v == &json!(["text"]), "only text output")?;
             f.refuse("audio", never, "only text output")?;
             f.refuse("prediction", never, "predicted outputs are not implemented")?;
@@ -372,6 +367,7 @@ struct Params {
     max_tokens: u32,
     sampling: SamplingParams,
     top_logprobs: Option<u8>,
+    json_output: bool,
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
@@ -453,6 +449,7 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
         },
     };
     let top_logprobs = logprobs_asked(f, endpoint)?;
+    let json_output = json_output_asked(f.take::<Value>("response_format")?)?;
     let stop = stop_strings(f.take::<Value>("stop")?)?;
     let stream = f.take::<bool>("stream")?.unwrap_or(false);
     let ignore_eos = f.take::<bool>("ignore_eos")?.unwrap_or(false);
@@ -486,11 +483,32 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
         max_tokens,
         sampling,
         top_logprobs,
+        json_output,
         stop,
         stream,
         include_usage,
         ignore_eos,
     })
+}
+
+/// Whether `response_format` asks for JSON output: `{"type": "json_object"}` (one JSON object)
+/// or `{"type": "text"}` (the default). Completions take it too, as vLLM's do.
+fn json_output_asked(format: Option<Value>) -> Result<bool, ApiError> {
+    let Some(format) = format.filter(|v| !v.is_null()) else {
+        return Ok(false);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(false),
+        Some("json_object") => Ok(true),
+        Some("json_schema") => Err(ApiError::unsupported(
+            "response_format",
+            "json_schema is not implemented yet; {\"type\": \"json_object\"} gives one JSON object",
+        )),
+        _ => Err(ApiError::invalid(
+            "response_format",
+            "response_format must be {\"type\": \"text\"} or {\"type\": \"json_object\"}",
+        )),
+    }
 }
 
 /// How many alternatives per token the request wants log-probabilities of (none: no
@@ -856,6 +874,7 @@ fn request(
         verify: dc_types::VerifyMode::Sampled(served.audit_rate),
         resume: Vec::new(),
         top_logprobs: p.top_logprobs,
+        json_output: p.json_output,
     })
 }
 
@@ -1621,6 +1640,28 @@ mod tests {
         }
         let mut f = Fields::new(json!({"echo": true})).expect("an object");
         assert!(refuse_unsupported(&mut f, Endpoint::Completion).is_err());
+    }
+
+    #[test]
+    fn response_format_asks_for_json_objects_only() {
+        assert_eq!(json_output_asked(None).ok(), Some(false));
+        assert_eq!(json_output_asked(Some(Value::Null)).ok(), Some(false));
+        assert_eq!(
+            json_output_asked(Some(json!({"type": "text"}))).ok(),
+            Some(false)
+        );
+        assert_eq!(
+            json_output_asked(Some(json!({"type": "json_object"}))).ok(),
+            Some(true)
+        );
+        let e = json_output_asked(Some(json!({"type": "json_schema", "json_schema": {}})))
+            .expect_err("no schemas yet");
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        assert!(e.body().to_string().contains("unsupported_parameter"));
+        for bad in [json!({"type": "xml"}), json!("json_object"), json!({})] {
+            let e = json_output_asked(Some(bad)).expect_err("not a format");
+            assert_eq!(e.param.as_deref(), Some("response_format"));
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dc_kernels::Gemm;
+use dc_model::json_output::TokenTexts;
 use dc_model::tokenizer::{ChatTemplate, SpecialTokens, Tokenizer};
 use dc_model::{Model, ModelConfig};
 use dc_net::Client;
@@ -100,6 +101,8 @@ pub struct Node {
     logged: Mutex<HashSet<String>>,
     /// The tokenizer, if the model has one.
     pub tokenizer: Option<Tokenizer>,
+    /// Every token's text, read from the tokenizer the first time JSON output is asked for.
+    token_texts: std::sync::OnceLock<Arc<TokenTexts>>,
     /// The model's chat template, if it has one.
     pub chat: Option<ChatTemplate>,
     /// Set while new work is paused (idle-only mode and the machine is busy).
@@ -165,6 +168,19 @@ pub struct NodeParts {
 }
 
 impl Node {
+    /// Every token's text, for JSON output (read from the tokenizer once).
+    pub fn token_texts(&self) -> Result<Arc<TokenTexts>, String> {
+        if let Some(t) = self.token_texts.get() {
+            return Ok(t.clone());
+        }
+        let tok = self
+            .tokenizer
+            .as_ref()
+            .ok_or("JSON output needs the model's tokenizer, and this model has none")?;
+        let texts = Arc::new(TokenTexts::new(tok).map_err(|e| e.to_string())?);
+        Ok(self.token_texts.get_or_init(|| texts).clone())
+    }
+
     /// A node that is loading: serving nothing yet, knowing no peers.
     pub fn new(parts: NodeParts) -> Node {
         let NodeParts {
@@ -194,6 +210,7 @@ impl Node {
             seq: AtomicU64::new(first_seq()),
             logged: Mutex::new(HashSet::new()),
             tokenizer,
+            token_texts: std::sync::OnceLock::new(),
             chat,
             paused: std::sync::atomic::AtomicBool::new(false),
             special,

@@ -296,6 +296,10 @@ async fn run_attempt(
         sampling: sampling(req),
         stop_tokens: req.stop_tokens.clone(),
         chunk: req.chunk.max(1) as usize,
+        json: match req.json_output {
+            true => Some(d.node.token_texts().map_err(Stop::Failed)?),
+            false => None,
+        },
     };
     let mut tl =
         TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;

@@ -48,6 +48,12 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
             l.special.eos.clone()
         },
         chunk: a.chunk,
+        json: match a.json_output {
+            true => Some(std::sync::Arc::new(dc_model::json_output::TokenTexts::new(
+                l.tokenizer()?,
+            )?)),
+            false => None,
+        },
     };
     let mut pipeline = LocalPipeline::new(&l.model, a.stages)?;
     let mut decoder = l.tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));

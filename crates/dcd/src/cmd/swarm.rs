@@ -160,6 +160,9 @@ fn generate_body(a: &GenerateArgs) -> Result<Value> {
     if let Some(n) = a.top_logprobs {
         body["top_logprobs"] = json!(n);
     }
+    if a.json_output {
+        body["json_output"] = json!(true);
+    }
     if let Some(v) = &a.verify {
         body["verify"] = json!(v);
     }
