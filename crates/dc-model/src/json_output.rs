@@ -123,6 +123,12 @@ impl JsonPrefix {
         self.mode == Mode::Done
     }
 
+    /// Whether the next byte is inside a string and not escaped: then any text free of `"`,
+    /// `\` and control characters leaves the state as it is.
+    fn in_plain_string(&self) -> bool {
+        matches!(self.mode, Mode::Str { escape: 0, .. })
+    }
+
     fn in_object(&self) -> bool {
         self.depth > 0 && self.objects >> (self.depth - 1) & 1 == 1
     }
@@ -359,6 +365,12 @@ impl JsonPrefix {
 /// space included), read once per model.
 pub struct TokenTexts {
     texts: Vec<Box<[u8]>>,
+    /// Per token: whether its text is plain string content (no `"`, `\\` or control
+    /// characters), which changes nothing inside a string.
+    plain: Vec<bool>,
+    /// The tokens by the first byte of their text: a state that refuses that byte refuses
+    /// them all at once.
+    by_first: Vec<Vec<u32>>,
 }
 
 impl fmt::Debug for TokenTexts {
@@ -389,18 +401,31 @@ impl TokenTexts {
                 }
                 _ => alone,
             };
-            texts.push(text.into_bytes().into_boxed_slice());
+            texts.push(text);
         }
-        Ok(TokenTexts { texts })
+        Ok(TokenTexts::from_texts(texts))
     }
 
     /// Texts given directly (tests, and vocabularies read some other way).
     pub fn from_texts(texts: impl IntoIterator<Item = String>) -> TokenTexts {
+        let texts: Vec<Box<[u8]>> = texts
+            .into_iter()
+            .map(|t| t.into_bytes().into_boxed_slice())
+            .collect();
+        let plain = texts
+            .iter()
+            .map(|t| !t.is_empty() && t.iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\'))
+            .collect();
+        let mut by_first = vec![Vec::new(); 256];
+        for (id, t) in texts.iter().enumerate() {
+            if let Some(&b) = t.first() {
+                by_first[b as usize].push(id as u32);
+            }
+        }
         TokenTexts {
-            texts: texts
-                .into_iter()
-                .map(|t| t.into_bytes().into_boxed_slice())
-                .collect(),
+            texts,
+            plain,
+            by_first,
         }
     }
 
@@ -444,16 +469,25 @@ impl JsonConstraint {
     /// Which of `vocab` tokens may come next when at most `left` more tokens may follow it:
     /// those whose text keeps the document a valid prefix that can close in `left` tokens.
     pub fn allowed(&self, vocab: usize, left: usize) -> Result<Vec<bool>> {
-        let allowed: Vec<bool> = (0..vocab as u32)
-            .map(|id| {
-                let text = self.texts.text(id);
-                !text.is_empty()
-                    && self
-                        .state
-                        .push_all(text)
+        // Inside a string most tokens are plain text, which leaves the state as it is.
+        let in_string = self.state.in_plain_string();
+        let plain_fits = in_string && self.state.closing_len() <= left;
+        let mut allowed = vec![false; vocab];
+        for (first, ids) in self.texts.by_first.iter().enumerate() {
+            let Some(after_first) = self.state.push(first as u8) else {
+                continue;
+            };
+            for &id in ids.iter().filter(|&&id| (id as usize) < vocab) {
+                let i = id as usize;
+                allowed[i] = if in_string && self.texts.plain[i] {
+                    plain_fits
+                } else {
+                    after_first
+                        .push_all(&self.texts.texts[i][1..])
                         .is_some_and(|s| s.closing_len() <= left)
-            })
-            .collect();
+                };
+            }
+        }
         if !allowed.contains(&true) {
             return Err(ModelError::Input(format!(
                 "JSON output: no token continues the document within {left} more tokens \
@@ -577,6 +611,27 @@ mod tests {
             }
             prop_assert!(s.is_complete());
             prop_assert_eq!(s.closing_len(), 0);
+        }
+
+        /// The shortcut for plain string content allows exactly what running each token's
+        /// text through the recogniser allows.
+        #[test]
+        fn allowed_is_each_token_run_through(v in json_object(), cut in 0.0f64..1.0, left in 0usize..12) {
+            let texts = ["a", "é", " x", "\"", "\\", "\\n", "\"}", "\":", "1", "}", "]", ",\"", "\u{1}", "{\"", "0\""];
+            let vocab = std::sync::Arc::new(TokenTexts::from_texts(texts.map(String::from)));
+            let doc = serde_json::to_string(&v).unwrap();
+            let mut at = (doc.len() as f64 * cut) as usize;
+            while !doc.is_char_boundary(at) {
+                at -= 1;
+            }
+            let mut c = JsonConstraint::new(vocab.clone());
+            c.state = JsonPrefix::new().push_all(&doc.as_bytes()[..at]).unwrap();
+            if let Ok(allowed) = c.allowed(texts.len(), left) {
+                for (i, t) in texts.iter().enumerate() {
+                    let want = c.state.push_all(t.as_bytes()).is_some_and(|s| s.closing_len() <= left);
+                    prop_assert_eq!(allowed[i], want, "{:?} after {:?}", t, &doc[..at]);
+                }
+            }
         }
 
         /// Whatever text the recogniser calls complete is valid JSON with an object on top.
