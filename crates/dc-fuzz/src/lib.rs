@@ -10,8 +10,12 @@
 //! something must hold of what is accepted (a decoded message encodes back to the same
 //! bytes, a fast decoder agrees with its scalar reference), the body asserts it.
 
+use std::fmt::Debug;
 use std::path::PathBuf;
 use std::sync::OnceLock;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 pub mod files;
 pub mod http;
@@ -44,6 +48,24 @@ pub const TARGETS: &[Target] = &[
     ("openai_body", http::openai_body),
     ("control_body", http::control_body),
 ];
+
+/// The largest input a target decodes (fuzz inputs are far smaller; the daemon's own caps are
+/// tested where they are set).
+pub(crate) const LIMIT: usize = 1 << 24;
+
+/// Decodes `data` as a `T`; what decodes must encode back to bytes that decode to the same
+/// encoding (compared as bytes: activations may hold NaNs, which equal nothing).
+pub(crate) fn decode_and_reencode<T>(data: &[u8]) -> Option<T>
+where
+    T: Serialize + DeserializeOwned + Debug,
+{
+    let msg: T = dc_types::decode(data, LIMIT).ok()?;
+    let bytes = dc_types::encode(&msg, usize::MAX).expect("a decoded message encodes");
+    let again: T = dc_types::decode(&bytes, usize::MAX).expect("an encoded message decodes");
+    let twice = dc_types::encode(&again, usize::MAX).expect("a decoded message encodes");
+    assert_eq!(bytes, twice, "{msg:?} does not survive a round trip");
+    Some(msg)
+}
 
 /// The shared fixtures (`../shared/fixtures` beside the checkout; `DC_FIXTURES` overrides).
 pub fn fixtures() -> PathBuf {

@@ -62,7 +62,7 @@ pub fn fraud_proof(data: &[u8]) {
     let proof = if sel & 1 == 0 {
         serde_json::from_slice::<FraudProof>(rest).ok()
     } else {
-        crate::wire::decode_and_reencode::<FraudProof>(rest)
+        crate::decode_and_reencode::<FraudProof>(rest)
     };
     if let Some(p) = proof {
         judge(&p);

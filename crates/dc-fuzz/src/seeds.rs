@@ -173,6 +173,25 @@ fn safetensors() -> Vec<u8> {
 
 /// Every target's seeds, by target name.
 pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let mut all = wire_seeds();
+    all.extend(file_and_body_seeds());
+    all
+}
+
+/// A fraud proof of every part's shape.
+fn fraud_proof() -> dc_types::FraudProof {
+    dc_types::FraudProof {
+        model_id: ModelId(Commitment([7; 32])),
+        accused: "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo".into(),
+        kind: dc_types::ProofKind::Recompute { layer: 1 },
+        records: vec![signed(record())],
+        traces: vec![trace()],
+        layer_inputs: vec![activations(0, 3)],
+    }
+}
+
+/// The wire messages' seeds.
+fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let hop = HopRequest {
         model_id: ModelId(Commitment([7; 32])),
         generation: GenerationId([3; 16]),
@@ -207,14 +226,6 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             "/ip4/10.0.0.1/udp/7000/quic-v1".into(),
         ],
     };
-    let proof = dc_types::FraudProof {
-        model_id: ModelId(Commitment([7; 32])),
-        accused: "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo".into(),
-        kind: dc_types::ProofKind::Recompute { layer: 1 },
-        records: vec![signed(record())],
-        traces: vec![trace()],
-        layer_inputs: vec![activations(0, 3)],
-    };
     let done = HopResponse::Done {
         activations: activations(5, 2),
         record: signed(record()),
@@ -227,17 +238,16 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             layers: LayerRange { start: 0, end: 4 },
         }],
     };
-    let chat = json!({"model": "smollm2-135m", "messages": [
-        {"role": "system", "content": "Answer briefly."},
-        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}
-    ], "max_tokens": 16, "temperature": 0.5, "top_p": 0.9, "seed": -3, "stop": ["\n", "."],
-       "stream": true, "stream_options": {"include_usage": true}});
-    let completion = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-        "top_k": 5, "ignore_eos": true, "n": 1, "logit_bias": {}});
     vec![
         ("stage_request", encoded(&StageRequest::Hop(hop))),
-        ("stage_request", encoded(&StageRequest::RevealHops(vec![reveal_request.clone(); 2]))),
-        ("stage_request", encoded(&StageRequest::Reveal(reveal_request))),
+        (
+            "stage_request",
+            encoded(&StageRequest::RevealHops(vec![reveal_request.clone(); 2])),
+        ),
+        (
+            "stage_request",
+            encoded(&StageRequest::Reveal(reveal_request)),
+        ),
         (
             "stage_request",
             encoded(&StageRequest::CacheRows(CacheRowsRequest {
@@ -257,9 +267,18 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 cache: None,
             })),
         ),
-        ("stage_response", encoded(&StageResponse::Hop(Box::new(done)))),
-        ("stage_response", encoded(&StageResponse::Reveal(Ok(vec![reveal()])))),
-        ("stage_response", encoded(&StageResponse::Proof(Box::new(Some(proof.clone()))))),
+        (
+            "stage_response",
+            encoded(&StageResponse::Hop(Box::new(done))),
+        ),
+        (
+            "stage_response",
+            encoded(&StageResponse::Reveal(Ok(vec![reveal()]))),
+        ),
+        (
+            "stage_response",
+            encoded(&StageResponse::Proof(Box::new(Some(fraud_proof())))),
+        ),
         ("gossip", encoded(&Gossip::Announcement(announcement))),
         (
             "gossip",
@@ -302,6 +321,22 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 ],
             ),
         ),
+    ]
+}
+
+/// The seeds of the file parsers, the texts and the HTTP bodies.
+fn file_and_body_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let proof = fraud_proof();
+    let chat = json!({"model": "smollm2-135m", "messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}
+    ], "max_tokens": 16, "temperature": 0.5, "top_p": 0.9, "seed": -3, "stop": ["\n", "."],
+       "stream": true, "stream_options": {"include_usage": true}, "logprobs": true,
+       "top_logprobs": 2, "response_format": {"type": "json_object"}});
+    let completion = json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+        "top_k": 5, "ignore_eos": true, "n": 1, "logit_bias": {}, "logprobs": 3,
+        "presence_penalty": 0.5, "min_p": 0.1});
+    vec![
         ("revealed_row", with_selector(0, &canonical_row(6))),
         ("revealed_row", with_selector(2 | (5 << 2), &canonical_row(5))),
         ("revealed_row", {
@@ -335,7 +370,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("openai_body", with_selector(0, completion.to_string().as_bytes())),
         (
             "control_body",
-            br#"{"prompt": "Hello", "max_new_tokens": 4, "temperature": 0.8, "top_k": 3, "seed": 5, "verify": "sample", "audit_rate": 0.5, "chunk": 2}"#.to_vec(),
+            br#"{"prompt": "Hello", "max_new_tokens": 4, "temperature": 0.8, "top_k": 3, "seed": 5, "verify": "sample", "audit_rate": 0.5, "chunk": 2, "top_logprobs": 2, "json_output": true}"#.to_vec(),
         ),
         ("control_body", br#"{"prompt_ids": [1, 2, 3], "verify": "all"}"#.to_vec()),
     ]

@@ -2,7 +2,6 @@
 //! request-response, gossip, the generation stream's request and events), each followed by the
 //! checks a daemon runs on what it decoded.
 
-use std::fmt::Debug;
 use std::time::Instant;
 
 use dc_model::generate::{GenerateRequest, TokenLoop};
@@ -13,29 +12,10 @@ use dc_types::{
     GenerationEvent, GenerationRequest, Gossip, HopResponse, ModelId, StageRequest, StageResponse,
     WireActivations, HOP_RECORD_KIND,
 };
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
 /// The shape activations are checked against (the tiny fixture models').
 const HIDDEN: usize = 64;
 const POSITIONS: usize = 128;
-/// The largest input a target decodes (fuzz inputs are far smaller; the daemon's own caps are
-/// tested where they are set).
-const LIMIT: usize = 1 << 24;
-
-/// Decodes `data` as a `T`; what decodes must encode back to bytes that decode to the same
-/// encoding (compared as bytes: activations may hold NaNs, which equal nothing).
-pub(crate) fn decode_and_reencode<T>(data: &[u8]) -> Option<T>
-where
-    T: Serialize + DeserializeOwned + Debug,
-{
-    let msg: T = dc_types::decode(data, LIMIT).ok()?;
-    let bytes = dc_types::encode(&msg, usize::MAX).expect("a decoded message encodes");
-    let again: T = dc_types::decode(&bytes, usize::MAX).expect("an encoded message decodes");
-    let twice = dc_types::encode(&again, usize::MAX).expect("a decoded message encodes");
-    assert_eq!(bytes, twice, "{msg:?} does not survive a round trip");
-    Some(msg)
-}
 
 fn check_activations(w: &WireActivations) {
     if let Ok(a) = from_wire(w.clone(), HIDDEN, POSITIONS) {
@@ -49,7 +29,7 @@ fn check_activations(w: &WireActivations) {
 
 /// A request a stage receives.
 pub fn stage_request(data: &[u8]) {
-    let Some(req) = decode_and_reencode::<StageRequest>(data) else {
+    let Some(req) = crate::decode_and_reencode::<StageRequest>(data) else {
         return;
     };
     match &req {
@@ -61,7 +41,7 @@ pub fn stage_request(data: &[u8]) {
 
 /// A stage's answer, as the head (or an auditor) receives it.
 pub fn stage_response(data: &[u8]) {
-    let Some(resp) = decode_and_reencode::<StageResponse>(data) else {
+    let Some(resp) = crate::decode_and_reencode::<StageResponse>(data) else {
         return;
     };
     match resp {
@@ -95,7 +75,7 @@ pub fn stage_response(data: &[u8]) {
 
 /// A gossip message: announcements go into a peer table, as the daemon's do.
 pub fn gossip(data: &[u8]) {
-    let Some(Gossip::Announcement(mut ann)) = decode_and_reencode::<Gossip>(data) else {
+    let Some(Gossip::Announcement(mut ann)) = crate::decode_and_reencode::<Gossip>(data) else {
         return;
     };
     for a in &ann.listen_addrs {
@@ -130,7 +110,7 @@ pub fn gossip(data: &[u8]) {
 /// A generation request a head receives from another peer; what it accepts is run through the
 /// sampling loop the head would run it with, on logits the input also chooses.
 pub fn generation_request(data: &[u8]) {
-    let Some(req) = decode_and_reencode::<GenerationRequest>(data) else {
+    let Some(req) = crate::decode_and_reencode::<GenerationRequest>(data) else {
         return;
     };
     let greq = GenerateRequest {
@@ -170,7 +150,7 @@ pub fn generation_events(data: &[u8]) {
         let len = usize::from(u16::from_le_bytes([*a, *b])).min(tail.len());
         let (frame, next) = tail.split_at(len);
         rest = next;
-        let Some(ev) = decode_and_reencode::<GenerationEvent>(frame) else {
+        let Some(ev) = crate::decode_and_reencode::<GenerationEvent>(frame) else {
             continue;
         };
         if bounds.admit(&ev).is_err() {

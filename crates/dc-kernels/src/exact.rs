@@ -127,8 +127,13 @@ pub fn round_u64(neg: bool, mag: u64, exp: i32) -> Option<f32> {
         return Some(0.0);
     }
     let bits = 64 - mag.leading_zeros() as i32;
-    let lsb = (exp + bits - 24).max(F32_MIN_LSB);
-    let shift = lsb - exp;
+    // A revealed value's exponent comes from a peer: anything far outside f32's range is
+    // refused before the arithmetic below could overflow.
+    if exp > F32_MAX_TOP {
+        return None;
+    }
+    let lsb = (exp.saturating_add(bits - 24)).max(F32_MIN_LSB);
+    let shift = lsb.saturating_sub(exp);
     if shift <= 0 {
         // Fits in 24 bits at its own exponent: exact.
         return assemble(neg, mag, exp);
@@ -313,6 +318,21 @@ fn shift_right(limbs: &mut [u64], by: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extreme_exponents_round_without_overflow() {
+        // A peer's revealed value may carry any exponent (a fuzzer found i32 overflow here).
+        for mag in [1u64, 3, u64::MAX] {
+            assert_eq!(round_u64(false, mag, i32::MAX), None);
+            assert_eq!(round_u64(true, mag, i32::MAX - 5), None);
+            assert_eq!(round_u64(false, mag, i32::MIN), Some(0.0));
+            assert_eq!(round_u64(false, mag, i32::MIN + 30), Some(0.0));
+            assert_eq!(round_limbs(false, &[mag, 1], i32::MAX), None);
+            assert_eq!(round_limbs(false, &[mag, 1], i32::MIN), Some(0.0));
+        }
+        assert_eq!(round_u64(false, 1, 127), Some(f32::from_bits(0x7f00_0000)));
+        assert_eq!(round_u64(false, 1, 128), None);
+    }
 
     #[test]
     fn canonical_form_strips_powers_of_two() {
