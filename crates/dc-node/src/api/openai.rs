@@ -1011,6 +1011,16 @@ enum FinishReason {
 }
 
 impl FinishReason {
+    /// The reason for the head's `stop` ("stop": an end-of-sequence token or a complete JSON
+    /// document; "length" or "context": out of room).
+    fn of_head(stop: &str) -> FinishReason {
+        if stop == "stop" {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        }
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
@@ -1040,8 +1050,6 @@ struct Output {
     tokenizer: Tokenizer,
     decoder: StreamDecoder,
     stops: StopScan,
-    /// The stop strings again, to scan a rewritten text from its start.
-    stop_strings: Vec<String>,
     /// Whether the head corrected tokens it had sent (a proven liar's work).
     corrected: bool,
     completion_tokens: usize,
@@ -1057,8 +1065,7 @@ impl Output {
         Output {
             tokenizer: tok.clone(),
             decoder: StreamDecoder::new(tok, true),
-            stops: StopScan::new(stops.clone()),
-            stop_strings: stops,
+            stops: StopScan::new(stops),
             corrected: false,
             completion_tokens: 0,
             logprobs: Vec::new(),
@@ -1090,17 +1097,12 @@ impl Output {
             Ok(t) => t,
             Err(e) => return Step::Failed(format!("decoding the corrected tokens: {e}")),
         };
-        let mut scan = StopScan::new(self.stop_strings.clone());
+        let mut scan = StopScan::new(self.stops.stops.clone());
         match scan.push(&full) {
             (text, true) => Step::Rewritten(text, FinishReason::Stop),
             (mut text, false) => {
                 text.push_str(&scan.flush());
-                let reason = if stop == "stop" {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                };
-                Step::Rewritten(text, reason)
+                Step::Rewritten(text, FinishReason::of_head(stop))
             }
         }
     }
@@ -1151,13 +1153,7 @@ impl Output {
                     return Step::Finished(text, FinishReason::Stop);
                 }
                 text.push_str(&self.stops.flush());
-                // The head says "stop" (an end-of-sequence token), "length" or "context".
-                let reason = if stop == "stop" {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                };
-                Step::Finished(text, reason)
+                Step::Finished(text, FinishReason::of_head(&stop))
             }
             GenerationEvent::Failed { message } => Step::Failed(message),
         }
