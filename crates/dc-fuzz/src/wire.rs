@@ -120,6 +120,7 @@ pub fn generation_request(data: &[u8]) {
         stop_tokens: req.stop_tokens.clone(),
         chunk: req.chunk.max(1) as usize,
         json: None,
+        speculative: dc_model::speculative::Speculation::Off,
     };
     let Ok(mut tl) = TokenLoop::new(&greq, POSITIONS) else {
         return;

@@ -2,6 +2,7 @@
 //! the head embeds and samples, each stage runs its layer range with its own KV cache.
 //! The swarm runs the same steps with a network hop between stages.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 
 use dc_kernels::Gemm;
@@ -12,6 +13,7 @@ use crate::json_output::{JsonConstraint, TokenTexts};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::sampling::{sample_constrained, SamplingParams};
+use crate::speculative::{Speculation, SpeculationStats, Speculator};
 
 /// Splits `layers` layers into `stages` contiguous ranges of near-equal size.
 pub fn split_layers(layers: usize, stages: usize) -> Result<Vec<Range<usize>>> {
@@ -40,6 +42,8 @@ pub struct GenerateRequest {
     pub chunk: usize,
     /// Constrain the output to one JSON object, with these token texts (none: free text).
     pub json: Option<std::sync::Arc<TokenTexts>>,
+    /// Whether to guess tokens ahead (the tokens are the same either way).
+    pub speculative: Speculation,
 }
 
 /// Why a generation ended.
@@ -63,6 +67,8 @@ pub struct Generation {
     pub final_logits: Vec<f32>,
     /// Why it ended.
     pub stop: StopReason,
+    /// How the guesses went.
+    pub speculation: SpeculationStats,
 }
 
 /// A model cut into stages, each with its own KV cache for one generation.
@@ -98,6 +104,13 @@ impl<'m> LocalPipeline<'m> {
     /// Whether nothing has run yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Keeps only the first `len` positions (a pass that starts there overwrites the rest).
+    pub fn rewind(&mut self, len: usize) {
+        for c in &mut self.caches {
+            c.truncate(len);
+        }
     }
 
     /// Runs `tokens` (continuing at the current position) through every stage; returns the
@@ -250,13 +263,38 @@ pub fn generate(
             "the pipeline already holds a generation".into(),
         ));
     }
-    let mut tl = TokenLoop::new(req, pipeline.model.config.max_positions)?;
-    let mut logits = pipeline.prefill(gemm, &req.prompt, req.chunk)?;
+    let max_positions = pipeline.model.config.max_positions;
+    let mut tl = TokenLoop::new(req, max_positions)?;
+    let mut spec = Speculator::new(req.speculative, &req.prompt);
+    let vocab = pipeline.model.config.vocab_size;
+    // The rows of logits not sampled from yet, each with its position: the prompt's last, then
+    // those of the last pass (one per token it ran).
+    let mut rows: VecDeque<(usize, Vec<f32>)> = VecDeque::new();
+    rows.push_back((
+        req.prompt.len() - 1,
+        pipeline.prefill(gemm, &req.prompt, req.chunk)?,
+    ));
+    let (mut at, mut logits): (usize, Vec<f32>);
     let stop = loop {
+        (at, logits) = rows
+            .pop_front()
+            .ok_or_else(|| ModelError::Input("a pass returned no logits".into()))?;
         match tl.next(&logits)? {
             Next::Feed(t) => {
                 on_token(t, &logits);
-                logits = pipeline.forward(gemm, &[t], false)?;
+                if spec.produced(t) && !rows.is_empty() {
+                    continue;
+                }
+                // `t` takes position `at + 1`; anything the caches hold past it was a guess.
+                pipeline.rewind(at + 1);
+                let room = draft_room(req.max_new_tokens - tl.tokens.len(), max_positions, at);
+                let pass = spec.next_pass(room);
+                let out = pipeline.forward(gemm, &pass, true)?;
+                rows = out
+                    .chunks(vocab)
+                    .enumerate()
+                    .map(|(i, r)| (at + 1 + i, r.to_vec()))
+                    .collect();
             }
             Next::Last(t, why) => {
                 on_token(t, &logits);
@@ -265,9 +303,20 @@ pub fn generate(
             Next::Done(why) => break why,
         }
     };
+    // The caches end at the position the final logits came from, as without guesses.
+    pipeline.rewind(at + 1);
     Ok(Generation {
         tokens: tl.tokens,
         final_logits: logits,
         stop,
+        speculation: spec.stats,
     })
+}
+
+/// How many tokens a pass may guess after the one just sampled (at position `at + 1`), with
+/// `left` tokens still to produce: a guess is worth running only if the token after it may be
+/// sampled, and every position it takes must exist.
+pub fn draft_room(left: usize, max_positions: usize, at: usize) -> usize {
+    left.saturating_sub(1)
+        .min(max_positions.saturating_sub(at + 3))
 }

@@ -43,6 +43,14 @@ impl KvCache {
         self.caches.iter().map(LayerCache::bytes).sum()
     }
 
+    /// Keeps only the first `len` positions in every layer: a pass that starts at `len` runs
+    /// over what a speculative pass wrote past it (see `speculative.rs`).
+    pub fn truncate(&mut self, len: usize) {
+        for c in &mut self.caches {
+            c.truncate(len);
+        }
+    }
+
     /// Appends the positions encoded in `rows`, one entry per layer (see
     /// [`LayerCache::from_encoded`]), as a peer revealed them; on an error nothing is appended.
     pub fn extend_encoded(&mut self, rows: &[Vec<u8>]) -> Result<()> {

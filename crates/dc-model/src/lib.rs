@@ -20,6 +20,7 @@ pub mod open;
 mod progress;
 pub mod sampling;
 pub mod source;
+pub mod speculative;
 pub mod store;
 pub mod tokenizer;
 pub mod verify;

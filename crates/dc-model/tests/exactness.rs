@@ -119,6 +119,7 @@ fn generation_with_the_cache_equals_recomputation() {
                 stop_tokens: vec![],
                 chunk: 4,
                 json: None,
+                speculative: dc_model::speculative::Speculation::Off,
             };
             let mut p = LocalPipeline::new(&model, 3).unwrap();
             let out = generate(&mut p, &gemm, &req, |_, _| {}).unwrap();
@@ -275,4 +276,94 @@ fn the_weight_cache_gives_the_same_bits_and_is_really_used() {
         std::fs::write(victim, planted.to_bytes()).unwrap();
         assert_ne!(logits(&Model::load(&dir, &cached).unwrap()), want, "{name}");
     }
+}
+
+#[test]
+fn guessing_tokens_ahead_changes_no_token_and_no_bit() {
+    use dc_model::speculative::{Speculation, SpeculationStats};
+    let (mut accepted, mut missed) = (0, 0);
+    for name in TINY {
+        let model = load(name);
+        let gemm = Gemm::new(Kernel::best(), 2).unwrap();
+        let ids = sequence(name);
+        // The fixture text, and one that repeats itself (prompt lookup finds matches in it).
+        let mut looped = ids[..7].to_vec();
+        looped.extend_from_within(..);
+        looped.extend_from_within(..5);
+        for (p, prompt) in [ids[..12].to_vec(), looped].into_iter().enumerate() {
+            for (s, sampling) in [
+                SamplingParams::default(),
+                SamplingParams {
+                    temperature: 0.7,
+                    top_k: Some(20),
+                    seed: 3 + p as u64,
+                    ..Default::default()
+                },
+                SamplingParams {
+                    temperature: 1.1,
+                    min_p: Some(0.02),
+                    penalties: Penalties {
+                        repetition: 1.2,
+                        presence: 0.3,
+                        frequency: 0.1,
+                    },
+                    seed: 17,
+                    ..Default::default()
+                },
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let run = |speculative, stages| {
+                    let req = GenerateRequest {
+                        prompt: prompt.clone(),
+                        max_new_tokens: 24,
+                        sampling: sampling.clone(),
+                        stop_tokens: vec![],
+                        chunk: 5,
+                        json: None,
+                        speculative,
+                    };
+                    let mut p = LocalPipeline::new(&model, stages).unwrap();
+                    let mut streamed = Vec::new();
+                    let out = generate(&mut p, &gemm, &req, |t, row| {
+                        streamed.push((t, bits(row)));
+                    })
+                    .unwrap();
+                    (out, streamed, p.len())
+                };
+                let (plain, plain_rows, plain_len) = run(Speculation::Off, 1);
+                assert_eq!(plain.speculation.drafted, 0);
+                for stages in [1, 3] {
+                    let (spec, spec_rows, spec_len) = run(Speculation::PromptLookup, stages);
+                    let what = format!("{name} prompt {p} sampling {s} stages {stages}");
+                    assert_eq!(spec.tokens, plain.tokens, "{what}");
+                    assert_eq!(spec.stop, plain.stop, "{what}");
+                    assert!(spec_rows == plain_rows, "{what}: the rows tokens came from");
+                    assert_eq!(
+                        bits(&spec.final_logits),
+                        bits(&plain.final_logits),
+                        "{what}"
+                    );
+                    assert_eq!(spec_len, plain_len, "{what}: the caches end where they did");
+                    let SpeculationStats {
+                        passes,
+                        drafted,
+                        accepted: a,
+                    } = spec.speculation;
+                    assert!(
+                        a <= drafted && passes + a + 1 >= plain.tokens.len(),
+                        "{what}"
+                    );
+                    accepted += a;
+                    missed += drafted - a;
+                }
+            }
+        }
+    }
+    // Both paths ran: guesses kept, and guesses dropped with the caches rewound past them.
+    assert!(
+        accepted > 20 && missed > 20,
+        "accepted {accepted}, missed {missed}"
+    );
 }

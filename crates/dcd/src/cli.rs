@@ -24,6 +24,9 @@ pub struct Global {
     // (`cmd::run` sets it).
     #[arg(skip = String::from("auto"))]
     pub kernel: String,
+    // Whether `dcd generate` guesses ahead, resolved the same way (`cmd::run` sets it).
+    #[arg(skip)]
+    pub speculative: dc_model::speculative::Speculation,
     /// Worker threads for the maths [env: DCD_THREADS; default: all cores].
     // `cmd::run` replaces the flag with the resolved value.
     #[arg(long, global = true)]
@@ -295,6 +298,10 @@ pub struct GenerateArgs {
     /// Constrain the output to one JSON object (it ends the generation once complete).
     #[arg(long)]
     pub json_output: bool,
+    /// Guess tokens ahead by prompt lookup and check each guess in the same pass (the tokens
+    /// are the same either way) [env: DCD_SPECULATIVE; default: prompt-lookup].
+    #[arg(long)]
+    pub speculative: Option<dc_model::speculative::Speculation>,
     /// With --json: add "logprobs", each token's log-probability and those of the N most
     /// likely tokens at its position (N at most 20).
     #[arg(long, requires = "json", value_parser = clap::value_parser!(u8).range(0..=20))]
@@ -366,6 +373,23 @@ pub enum BenchCommand {
     Gemm(BenchGemmArgs),
     /// Prefill and decode tokens per second of a model at several thread counts.
     Model(BenchModelArgs),
+    /// Decode speed with and without prompt-lookup speculation, on repetitive and free text.
+    Speculative(BenchSpeculativeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchSpeculativeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Upper bound on new tokens per generation.
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Runs of each mode per task (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use dc_kernels::Kernel;
+use dc_model::speculative::Speculation;
 use dc_net::Multiaddr;
 use dc_node::{LayerChoice, NodeConfig, SpotRate};
 
@@ -94,6 +95,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "largest stage message accepted or sent (64KiB to 1GiB)",
     ),
     ("selftest", "run the numeric self-test before serving"),
+    (
+        "speculative",
+        "dcd generate guesses tokens ahead: prompt-lookup or off (the tokens are the same)",
+    ),
     (
         "audit_rate",
         "share of hops this peer audits when it heads a generation (0 to 1)",
@@ -215,6 +220,8 @@ pub struct Settings {
     /// Chance each part of each layer of a remote hop is spot-checked when this peer heads a
     /// generation (`auto`: per stage, the rate that meets the detection goal).
     pub spot_check_rate: SpotRate,
+    /// Whether `dcd generate` guesses tokens ahead.
+    pub speculative: Speculation,
 }
 
 impl Settings {
@@ -251,6 +258,8 @@ impl Settings {
             // Through the shortest decimal, so 0.1 shows as 0.1 rather than f32's widening.
             audit_rate: d.audit_rate.to_string().parse().unwrap_or(0.01),
             spot_check_rate: d.spot_check_rate,
+            // dcd generate's own (the daemon's head does not guess yet).
+            speculative: Speculation::default(),
         }
     }
 
@@ -295,6 +304,7 @@ impl Settings {
             "idle_threshold" => V::Float(f64::from(self.idle_threshold)),
             "max_message_bytes" => V::Integer(self.max_message_bytes as i64),
             "selftest" => V::Boolean(self.selftest),
+            "speculative" => V::String(self.speculative.to_string()),
             "audit_rate" => V::Float(self.audit_rate),
             "spot_check_rate" => match self.spot_check_rate {
                 SpotRate::Goal => V::String("auto".into()),
@@ -421,6 +431,7 @@ impl Settings {
             "idle_threshold" => self.idle_threshold = float(v, 0.01, 1.0)? as f32,
             "max_message_bytes" => self.max_message_bytes = size(v, 1 << 16, 1 << 30)? as usize,
             "selftest" => self.selftest = boolean(v)?,
+            "speculative" => self.speculative = nonempty(v)?.trim().parse()?,
             "audit_rate" => self.audit_rate = float(v, 0.0, 1.0)?,
             "spot_check_rate" => {
                 self.spot_check_rate = match v {
@@ -455,6 +466,11 @@ pub fn flags(cli: &crate::cli::Cli) -> Flags {
     }
     if let Some(n) = g.threads {
         f.set("threads", "--threads", n as i64);
+    }
+    if let crate::cli::Command::Generate(a) = &cli.command {
+        if let Some(s) = a.speculative {
+            f.set("speculative", "--speculative", s.to_string());
+        }
     }
     let crate::cli::Command::Join(a) = &cli.command else {
         return f;
@@ -1076,6 +1092,37 @@ mod tests {
         let e = err(&flags, &none, None);
         assert!(
             e.starts_with("max_message_bytes (flag --max-message-bytes): "),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn speculation_is_prompt_lookup_unless_turned_off() {
+        let none = BTreeMap::new();
+        let mode = |flags: &Flags, e: &BTreeMap<String, String>, f: Option<&ConfigFile>| {
+            resolve(flags, e, f).unwrap().settings.speculative
+        };
+        assert_eq!(
+            mode(&Flags::default(), &none, None),
+            Speculation::PromptLookup
+        );
+        let off = file("speculative = \"off\"");
+        assert_eq!(mode(&Flags::default(), &none, Some(&off)), Speculation::Off);
+        let e = env(&[("DCD_SPECULATIVE", "prompt-lookup")]);
+        assert_eq!(
+            mode(&Flags::default(), &e, Some(&off)),
+            Speculation::PromptLookup
+        );
+        let mut flags = Flags::default();
+        flags.set("speculative", "--speculative", "off");
+        assert_eq!(mode(&flags, &e, None), Speculation::Off);
+        let e = err(
+            &Flags::default(),
+            &none,
+            Some(&file("speculative = \"always\"")),
+        );
+        assert!(
+            e.starts_with("speculative (file /etc/dcd/dcd.toml): ") && e.contains("prompt-lookup"),
             "{e}"
         );
     }

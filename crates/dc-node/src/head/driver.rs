@@ -300,6 +300,7 @@ async fn run_attempt(
             true => Some(d.node.token_texts().map_err(Stop::Failed)?),
             false => None,
         },
+        speculative: dc_model::speculative::Speculation::Off,
     };
     let mut tl =
         TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;

@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_model;
+mod bench_speculative;
 mod client;
 mod config_cmd;
 mod dashboard;
@@ -25,11 +26,13 @@ pub fn run(mut cli: Cli) -> Result<ExitCode> {
     let resolved = crate::config::load(cli.global.config.as_deref(), &crate::config::flags(&cli))?;
     cli.global.kernel = resolved.settings.kernel.clone();
     cli.global.threads = resolved.settings.threads;
+    cli.global.speculative = resolved.settings.speculative;
     let g = &cli.global;
     match &cli.command {
         Command::Selftest(a) => selftest::run(g, a),
         Command::Bench(BenchCommand::Gemm(a)) => bench::gemm(g, a),
         Command::Bench(BenchCommand::Model(a)) => bench_model::bench_model(g, a),
+        Command::Bench(BenchCommand::Speculative(a)) => bench_speculative::bench_speculative(g, a),
         // Through a daemon's control API when `--api` is given, else in this process.
         Command::Generate(a) => match &a.api {
             Some(api) => swarm::generate_api(a, api),

@@ -54,6 +54,7 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
             )?)),
             false => None,
         },
+        speculative: global.speculative,
     };
     let mut pipeline = LocalPipeline::new(&l.model, a.stages)?;
     let mut decoder = l.tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));
@@ -98,6 +99,7 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
         if a.top_logprobs.is_some() {
             answer["logprobs"] = json!(token_logprobs);
         }
+        answer["speculation"] = json!(out.speculation);
         println!("{answer}");
     } else {
         let rest = match decoder.as_mut() {

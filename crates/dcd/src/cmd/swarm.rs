@@ -72,6 +72,12 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
 }
 
 pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
+    if a.speculative == Some(dc_model::speculative::Speculation::PromptLookup) {
+        anyhow::bail!(
+            "--speculative prompt-lookup runs in this process only: a daemon's head decodes one \
+             token per lap until its stages can roll their KV caches back"
+        );
+    }
     let mut events = client::post_stream(api, "/generate", &generate_body(a)?)?;
     let mut stdout = std::io::stdout().lock();
     let mut seen = Transcript {

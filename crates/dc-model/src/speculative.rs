@@ -1,0 +1,208 @@
+//! Prompt-lookup speculative decoding: the head guesses the next few tokens by finding the
+//! text's last few tokens earlier in the prompt or the output and copying what followed them,
+//! runs the guess through the stages in one pass with the token just sampled, and keeps the
+//! longest run of guesses the ordinary sampler agrees with.
+//!
+//! Nothing here samples. Every token still comes from [`TokenLoop::next`] on the logits of the
+//! position before it, with the same seeded per-position draw; a guess only decides which
+//! positions a pass runs ahead of time. The logits of a position are the same bits whether it
+//! runs alone or among others (rows are quantised one by one), so the accepted tokens are
+//! exactly those of plain decoding, with any seed. What a wrong guess costs is the rows it
+//! added to one pass, and the positions it wrote into the KV caches, which the next pass
+//! overwrites (it starts where the agreement ended: see [`KvCache::truncate`]).
+//!
+//! [`TokenLoop::next`]: crate::generate::TokenLoop::next
+//! [`KvCache::truncate`]: crate::kv_cache::KvCache::truncate
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Whether the head guesses tokens ahead.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Speculation {
+    /// One token per pass.
+    Off,
+    /// Guesses copied from earlier in the prompt or the output ([`PromptLookup`]).
+    #[default]
+    PromptLookup,
+}
+
+impl FromStr for Speculation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Speculation, String> {
+        match s {
+            "off" => Ok(Speculation::Off),
+            "prompt-lookup" => Ok(Speculation::PromptLookup),
+            other => Err(format!(
+                "unknown speculation {other:?}: expected off or prompt-lookup"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Speculation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Speculation::Off => "off",
+            Speculation::PromptLookup => "prompt-lookup",
+        })
+    }
+}
+
+/// Longest n-gram matched: a longer match is a better predictor, tried first.
+const MAX_NGRAM: usize = 3;
+/// Shortest n-gram matched. One token repeats too often by chance to be worth a guess.
+const MIN_NGRAM: usize = 2;
+/// Most tokens guessed in one pass.
+pub const MAX_DRAFT: usize = 8;
+
+/// Guesses the tokens after `history` by the most recent earlier occurrence of its last
+/// `MAX_NGRAM` (else fewer, down to `MIN_NGRAM`) tokens: the up to `limit` tokens that followed
+/// it. Empty when nothing matches.
+pub fn prompt_lookup(history: &[u32], limit: usize) -> Vec<u32> {
+    if limit == 0 {
+        return Vec::new();
+    }
+    for n in (MIN_NGRAM..=MAX_NGRAM).rev() {
+        if history.len() <= n {
+            continue;
+        }
+        let tail = &history[history.len() - n..];
+        // The latest start before the tail itself; what follows must exist.
+        let found = (0..history.len() - n)
+            .rev()
+            .find(|&s| &history[s..s + n] == tail);
+        if let Some(s) = found {
+            let from = s + n;
+            let to = (from + limit).min(history.len());
+            return history[from..to].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// How the guesses of one generation went.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SpeculationStats {
+    /// Passes after the prompt's (each runs the token just sampled and its guess, if any).
+    pub passes: usize,
+    /// Tokens guessed.
+    pub drafted: usize,
+    /// Guessed tokens the sampler produced (each saved a pass).
+    pub accepted: usize,
+}
+
+/// The guesses of one generation: what the pass in flight ran ahead of the sampler.
+#[derive(Clone, Debug)]
+pub struct Speculator {
+    mode: Speculation,
+    /// The prompt and every token produced.
+    history: Vec<u32>,
+    /// Guessed tokens the last pass ran, not yet compared with what the sampler produced.
+    ahead: VecDeque<u32>,
+    /// How long the next guess may be: halved after a miss, doubled after a full hit, so a
+    /// text that does not repeat itself costs few extra rows.
+    length: usize,
+    /// How it went.
+    pub stats: SpeculationStats,
+}
+
+impl Speculator {
+    /// Guesses for a generation from `prompt`.
+    pub fn new(mode: Speculation, prompt: &[u32]) -> Speculator {
+        Speculator {
+            mode,
+            history: prompt.to_vec(),
+            ahead: VecDeque::new(),
+            length: MAX_DRAFT,
+            stats: SpeculationStats::default(),
+        }
+    }
+
+    /// The sampler produced `t`. True when the positions the last pass ran after it still hold
+    /// (no guess was outstanding, or `t` is the guess); false when `t` differs from the guess,
+    /// and the rest of the pass's rows must be dropped.
+    pub fn produced(&mut self, t: u32) -> bool {
+        self.history.push(t);
+        match self.ahead.pop_front() {
+            None => true,
+            Some(guess) if guess == t => {
+                self.stats.accepted += 1;
+                if self.ahead.is_empty() {
+                    self.length = (self.length * 2).min(MAX_DRAFT);
+                }
+                true
+            }
+            Some(_) => {
+                self.ahead.clear();
+                self.length = (self.length / 2).max(1);
+                false
+            }
+        }
+    }
+
+    /// The tokens of the next pass: the last token produced, then a guess of at most `room`
+    /// tokens after it.
+    pub fn next_pass(&mut self, room: usize) -> Vec<u32> {
+        let last = self.history.last().copied().unwrap_or_default();
+        let guess = match self.mode {
+            Speculation::Off => Vec::new(),
+            Speculation::PromptLookup => prompt_lookup(&self.history, room.min(self.length)),
+        };
+        self.stats.passes += 1;
+        self.stats.drafted += guess.len();
+        self.ahead = guess.iter().copied().collect();
+        std::iter::once(last).chain(guess).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_longest_match_is_copied() {
+        // "5 6" occurs twice before the tail; the later one (followed by 9) wins over the
+        // earlier (followed by 7), and a 3-gram "4 5 6" would win over both.
+        let h = [5, 6, 7, 1, 5, 6, 9, 2, 5, 6];
+        assert_eq!(prompt_lookup(&h, 3), vec![9, 2, 5]);
+        let h = [4, 5, 6, 8, 8, 1, 5, 6, 9, 4, 5, 6];
+        assert_eq!(prompt_lookup(&h, 2), vec![8, 8]);
+        // Bounded by the limit and by the history's end.
+        assert_eq!(prompt_lookup(&[1, 2, 3, 1, 2], 10), vec![3, 1, 2]);
+        assert_eq!(prompt_lookup(&[1, 2, 3, 1, 2], 0), Vec::<u32>::new());
+        // One token repeated is not a match; nothing found is no guess.
+        assert!(prompt_lookup(&[1, 2, 3, 4, 1], 4).is_empty());
+        assert!(prompt_lookup(&[1, 2], 4).is_empty());
+    }
+
+    #[test]
+    fn a_miss_drops_the_rest_of_the_guess_and_shortens_the_next() {
+        let mut s = Speculator::new(Speculation::PromptLookup, &[1, 2, 3, 4, 1, 2]);
+        assert_eq!(s.next_pass(8), vec![2, 3, 4, 1, 2]);
+        assert!(s.produced(3) && s.produced(4));
+        assert!(!s.produced(7), "the guess was 1");
+        assert!(s.produced(9), "after a miss nothing is outstanding");
+        assert_eq!(s.stats.accepted, 2);
+        assert_eq!(s.stats.drafted, 4);
+        assert_eq!(s.length, MAX_DRAFT / 2);
+        let mut off = Speculator::new(Speculation::Off, &[1, 2, 1, 2]);
+        assert_eq!(off.next_pass(8), vec![2]);
+    }
+
+    #[test]
+    fn modes_parse_and_print() {
+        for m in [Speculation::Off, Speculation::PromptLookup] {
+            assert_eq!(m.to_string().parse::<Speculation>(), Ok(m));
+        }
+        assert!("on"
+            .parse::<Speculation>()
+            .unwrap_err()
+            .contains("prompt-lookup"));
+    }
+}
