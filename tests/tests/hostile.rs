@@ -458,6 +458,7 @@ fn forwarded(model_id: ModelId, max_new_tokens: u32) -> GenerationRequest {
         chunk: 64,
         verify: VerifyMode::Sampled(0.0),
         resume: vec![],
+        speculative: dc_types::Speculation::Off,
         top_logprobs: None,
         json_output: false,
     }

@@ -59,14 +59,17 @@ fn lie_is_caught(model: &Path, head_extra: &[&str], fault: &str) -> Value {
     // probability 2^-23 (its fault coins are per generation, so this is random).
     // With log-probabilities: a correction must replace those of the tokens it replaces.
     let logprobs = ["--top-logprobs", "2"];
+    // Greedy: these random-weight models repeat themselves then (not when sampled), so the
+    // head's prompt-lookup guesses are both kept and missed, and the lie is in laps of several
+    // positions that stages cut back.
     let want = run(
         &["--model", model.to_str().unwrap()],
         &logprobs,
         "24",
         "3",
-        "0.7",
+        "0",
     );
-    let got = through(&a.api, &logprobs, "24", "3", "0.7");
+    let got = through(&a.api, &logprobs, "24", "3", "0");
     // The client ends with the honest tokens, final logits and log-probabilities.
     assert_eq!(got["tokens"], want["tokens"], "{fault}");
     assert_eq!(got["final_logits"], want["final_logits"], "{fault}");
@@ -87,7 +90,15 @@ fn lie_is_caught(model: &Path, head_extra: &[&str], fault: &str) -> Value {
         Duration::from_secs(30),
         || b.excluded() == vec![l.peer_id.clone()],
     );
-    let audits = a.status()["audits"].clone();
+    let status = a.status();
+    let audits = status["audits"].clone();
+    // The head guessed tokens ahead, kept some guesses and dropped others: the lie was in laps
+    // of several positions, and stages cut their caches back past the guesses that missed.
+    let (guessed, kept) = (&status["tokens_guessed"], &status["guesses_kept"]);
+    assert!(
+        kept.as_u64() > Some(0) && guessed.as_u64() > kept.as_u64(),
+        "{fault}: {guessed} guessed, {kept} kept"
+    );
     // The liar is out of every route: the next generation never touches it.
     let hops_before = l.status()["hops_served"].as_u64().unwrap();
     let again = through(&a.api, &[], "6", "1", "0");
@@ -458,6 +469,33 @@ fn honest_swarms_never_fail_an_audit() {
         );
         assert_eq!(got["tokens"], local(&model, "21", &s, "1.0")["tokens"]);
     }
+    // Greedy on a prompt that repeats itself: the heads guess tokens ahead, keep some guesses
+    // and miss others, so stages cut their caches back, and every check and audit of those
+    // laps must pass as well.
+    for api in [&a.api, &b.api] {
+        let args = |source: [&str; 2]| {
+            let mut v = source.to_vec();
+            v.extend_from_slice(&["--prompt-ids", "1,2,3,1,2,3,1,2,3"]);
+            v.extend_from_slice(&[
+                "--max-new-tokens",
+                "30",
+                "--ignore-eos",
+                "--temperature",
+                "0",
+            ]);
+            generate_json(&v)
+        };
+        let local = args(["--model", model.to_str().unwrap()]);
+        assert_eq!(args(["--api", api])["tokens"], local["tokens"]);
+    }
+    let count = |key: &str| -> u64 {
+        [&a, &b]
+            .iter()
+            .map(|d| d.status()[key].as_u64().unwrap())
+            .sum()
+    };
+    let (guessed, kept) = (count("tokens_guessed"), count("guesses_kept"));
+    assert!(kept > 0 && guessed > kept, "{guessed} guessed, {kept} kept");
     let (mut run, mut failed, mut spot_run, mut spot_failed) = (0, 0, 0, 0);
     // Every remote hop of a's generations and about half of b's were audited, yet each
     // auditor ran each position once (its session cache continues from the last audit):

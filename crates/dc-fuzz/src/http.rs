@@ -38,6 +38,7 @@ fn served() -> Served<'static> {
         eos: &special.eos,
         chunk: 64,
         audit_rate: 0.01,
+        speculative: dc_types::Speculation::PromptLookup,
     }
 }
 

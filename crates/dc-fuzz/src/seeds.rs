@@ -132,6 +132,7 @@ fn generation_request() -> GenerationRequest {
         chunk: 64,
         verify: VerifyMode::Sampled(0.1),
         resume: vec![5],
+        speculative: dc_types::Speculation::PromptLookup,
         top_logprobs: Some(3),
         json_output: false,
     }

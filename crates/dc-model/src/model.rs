@@ -438,7 +438,9 @@ impl Model {
     }
 
     /// Runs the layers of `cache.layers()` over `x`, appending the new positions to `cache`.
-    /// `x` must start exactly where the cache ends.
+    /// `x` starts where the cache ends, or before: then the cache first keeps only the
+    /// positions before `x.start` (the positions past it were a speculative guess that missed,
+    /// and every peer replaying the hops cuts them the same way).
     pub fn run_layers(
         &self,
         gemm: &Gemm,
@@ -500,7 +502,7 @@ impl Model {
                 self.config.hidden_size
             )));
         }
-        if x.start != cache.len() {
+        if x.start > cache.len() {
             return Err(ModelError::Input(format!(
                 "{stage}: activations start at position {} but the cache holds {} positions",
                 x.start,
@@ -515,6 +517,7 @@ impl Model {
             )));
         }
         x.check_finite(&stage, &format!("{} (input)", range.start))?;
+        cache.truncate(x.start);
         let mut x = x;
         // Two batches taking turns: a layer's leaves are hashed while the next layer computes
         // (side by side when the engine has threads to spare), each batch's buffers reused.

@@ -15,44 +15,10 @@
 //! [`KvCache::truncate`]: crate::kv_cache::KvCache::truncate
 
 use std::collections::VecDeque;
-use std::fmt;
-use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-/// Whether the head guesses tokens ahead.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Speculation {
-    /// One token per pass.
-    Off,
-    /// Guesses copied from earlier in the prompt or the output ([`PromptLookup`]).
-    #[default]
-    PromptLookup,
-}
-
-impl FromStr for Speculation {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Speculation, String> {
-        match s {
-            "off" => Ok(Speculation::Off),
-            "prompt-lookup" => Ok(Speculation::PromptLookup),
-            other => Err(format!(
-                "unknown speculation {other:?}: expected off or prompt-lookup"
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Speculation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Speculation::Off => "off",
-            Speculation::PromptLookup => "prompt-lookup",
-        })
-    }
-}
+pub use dc_types::Speculation;
 
 /// Longest n-gram matched: a longer match is a better predictor, tried first.
 const MAX_NGRAM: usize = 3;

@@ -15,8 +15,8 @@ use dc_kernels::{Exact, Gemm, Kernel};
 use dc_model::attention::LayerCache;
 use dc_model::trace::{HopTrace, Point};
 use dc_model::{
-    check_parts, draw_checks, rows_needed, Activations, CacheLog, KeptHop, KvCache, LayerChecker,
-    LoadOptions, Model,
+    check_cache_rows, check_parts, draw_checks, rows_needed, Activations, CacheLog, KeptHop,
+    KvCache, LayerChecker, LoadOptions, Model,
 };
 use dc_types::{CheckSet, LayerReveal, RevealedRow};
 
@@ -225,8 +225,8 @@ fn honest_reveals_pass_for_every_layer_and_row() {
             )
             .unwrap_err();
         assert!(err.contains("do not cover"), "{name}: {err}");
-        // Cache rows from inside a hop cannot be tied to its commitment; from past the hop's
-        // start they are not revealed.
+        // Cache rows from inside a hop cannot be tied to its commitment (nor does a stage
+        // reveal them); from past the hop's start they are not revealed.
         let mut known = c
             .check(
                 &model,
@@ -237,9 +237,11 @@ fn honest_reveals_pass_for_every_layer_and_row() {
             )
             .unwrap();
         known.truncate(3);
-        let r = kept
+        assert!(kept
             .reveal(c.layer(), trace.from, every(&model), 3, &log)
-            .unwrap();
+            .is_err());
+        let mut r = reveal.clone();
+        r.cache = log.rows_between(c.layer(), 3, trace.from + rows).unwrap();
         let err = c
             .check(&model, &views(&hops, 1), &known, &r, every(&model))
             .unwrap_err();
@@ -1058,5 +1060,115 @@ fn a_lie_in_one_row_of_a_prefill_hop_is_caught_by_a_check_of_every_row() {
             .check_rows_in_place(&model, &v, &mut cache, &r, checks, rows)
             .unwrap_err();
         assert!(err.contains("Freivalds"), "{name}: {err}");
+    }
+}
+
+/// A stage runs hops at these `(start, rows)`, each starting inside or at the end of the one
+/// before (a speculative pass whose guess missed is followed by a hop that starts inside it), on
+/// the token ids `ids` shifted by `salt` at each rewound hop so that its rows differ from the
+/// ones they overwrite; returns (trace, rows, kept) per hop, the log, and per hop every layer's
+/// cache rows as the cache held them after it.
+#[allow(clippy::type_complexity)]
+fn overlapping_hops(
+    model: &Model,
+    gemm: &Gemm,
+    stage: std::ops::Range<usize>,
+    ids: &[u32],
+    hops: &[(usize, usize)],
+) -> (Vec<Hop>, CacheLog, Vec<Vec<Vec<u8>>>) {
+    let mut log = CacheLog::default();
+    let mut head_cache = KvCache::new(&model.config, 0..stage.start);
+    let mut cache = KvCache::new(&model.config, stage.clone());
+    let (mut out, mut after) = (Vec::new(), Vec::new());
+    let vocab = model.config.vocab_size as u32;
+    for (k, &(pos, len)) in hops.iter().enumerate() {
+        let tokens: Vec<u32> = ids[pos..pos + len]
+            .iter()
+            .map(|&t| (t + k as u32 * 7) % vocab)
+            .collect();
+        let mut x = model.embed(&tokens, pos).unwrap();
+        if !head_cache.layers().is_empty() {
+            x = model.run_layers(gemm, x, &mut head_cache).unwrap();
+        }
+        let mut t = HopTrace::from_position(pos);
+        let (_, kept) = model.run_layers_kept(gemm, x, &mut cache, &mut t).unwrap();
+        log.record_hop(pos, &cache).unwrap();
+        after.push(
+            stage
+                .clone()
+                .map(|l| {
+                    let c = cache.layer(l).unwrap();
+                    c.encode_rows(0..c.len())
+                })
+                .collect(),
+        );
+        out.push((t, len, kept));
+    }
+    (out, log, after)
+}
+
+#[test]
+fn hops_that_start_inside_the_one_before_are_revealed_whole_and_checked() {
+    // Prefill, a guess of 3 (1 kept), a guess of 4 (none kept), decode, a guess of 2 (all kept).
+    let plan = [(0, 9), (9, 4), (11, 5), (12, 1), (13, 3), (16, 1)];
+    for name in TINY {
+        let (model, gemm, ids) = fixture(name, 2);
+        let n = model.config.num_layers;
+        let stage = 1..n;
+        let (hops, log, after) = overlapping_hops(&model, &gemm, stage.clone(), &ids, &plan);
+        let rb = empty(&model).row_bytes();
+        let checkers = checkers(&model, stage.clone(), 3);
+        for (k, (trace, rows, kept)) in hops.iter().enumerate() {
+            let (start, end) = (trace.from, trace.from + rows);
+            for (i, c) in checkers.iter().enumerate() {
+                let l = c.layer();
+                // What the cache held after the hop, row for row, whoever checks from where.
+                for (from, _) in plan[..=k].iter().filter(|(s, _)| *s <= start) {
+                    let known = LayerCache::from_encoded(
+                        model.config.num_kv_heads,
+                        model.config.head_dim,
+                        &after[k][i][..from * rb],
+                    )
+                    .unwrap();
+                    for index in [0, rows - 1] {
+                        let r = kept
+                            .reveal(l, start + index, every(&model), *from, &log)
+                            .unwrap();
+                        let whole: usize = plan[..=k]
+                            .iter()
+                            .filter(|(s, _)| s >= from)
+                            .map(|(_, n)| n)
+                            .sum();
+                        assert_eq!(r.cache.len(), whole * rb, "{name}: hops from {from} whole");
+                        let got = c
+                            .check(&model, &views(&hops, k), &known, &r, every(&model))
+                            .unwrap_or_else(|e| panic!("{name}: hop {k}, layer {l}: {e}"));
+                        assert_eq!(got.encode_rows(0..got.len()), after[k][i][..end * rb]);
+                    }
+                }
+                // An audit's view: the rows before the hop, as the cache held them then.
+                if k > 0 {
+                    let from = plan[k - 1].0;
+                    let bytes = log.hop_rows(l, from, start).unwrap();
+                    let cfg = &model.config;
+                    let rows = check_cache_rows(cfg, l, &views(&hops, k - 1), from, start, &bytes)
+                        .unwrap_or_else(|e| panic!("{name}: before hop {k}: {e}"));
+                    assert_eq!(&rows[..], &after[k - 1][i][from * rb..start * rb]);
+                    // A cut row that was not the one committed is refused.
+                    let mut bad = bytes.clone();
+                    let last = bad.len() - 1;
+                    bad[last] ^= 1;
+                    assert!(
+                        check_cache_rows(cfg, l, &views(&hops, k - 1), from, start, &bad).is_err()
+                    );
+                }
+            }
+        }
+        // Hops must go forward: a trace that starts at or before the one before it is refused.
+        let views = views(&hops, hops.len() - 1);
+        let mut swapped = views.clone();
+        swapped.swap(3, 4);
+        let l = stage.start;
+        assert!(check_cache_rows(&model.config, l, &swapped, 0, 17, &[]).is_err());
     }
 }

@@ -39,7 +39,13 @@ pub use wire::{decode, encode, WireError};
 ///    frequency penalties (`WireSampling`), and the request may ask for log-probabilities,
 ///    which token and correction events then carry, and JSON output; hop records and
 ///    commitments are protocol 9's.
-pub const PROTOCOL_VERSION: u32 = 11;
+/// 12: a hop may start inside the one before it (after its first position): the head's guess
+///    of the tokens after the one it sampled missed there, and every peer running or replaying
+///    the stage's hops first cuts its KV cache back to the hop's start; revealed cache rows
+///    carry each hop's rows whole, the cut ones too, so that every hop's commitment can be
+///    checked; a generation request says whether its head guesses (`speculative`). Hop
+///    records and commitments are protocol 9's.
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an

@@ -454,6 +454,40 @@ pub struct WireSampling {
     pub seed: u64,
 }
 
+/// Whether the head guesses tokens ahead.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Speculation {
+    /// One token per pass.
+    Off,
+    /// Guesses copied from earlier in the prompt or the output (prompt lookup).
+    #[default]
+    PromptLookup,
+}
+
+impl std::str::FromStr for Speculation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Speculation, String> {
+        match s {
+            "off" => Ok(Speculation::Off),
+            "prompt-lookup" => Ok(Speculation::PromptLookup),
+            other => Err(format!(
+                "unknown speculation {other:?}: expected off or prompt-lookup"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Speculation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Speculation::Off => "off",
+            Speculation::PromptLookup => "prompt-lookup",
+        })
+    }
+}
+
 /// A generation request, as the receiving daemon forwards it to the elected head.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GenerationRequest {
@@ -478,6 +512,9 @@ pub struct GenerationRequest {
     pub top_logprobs: Option<u8>,
     /// Constrain the output to one JSON object (the head needs the model's tokenizer).
     pub json_output: bool,
+    /// Whether the head guesses tokens ahead and checks each guess in the same lap (the tokens
+    /// are the same either way).
+    pub speculative: Speculation,
     /// The new tokens the client already holds (empty for a new generation): the next head
     /// takes a generation over from here when its head dies. The head re-derives them before
     /// it streams anything new, and corrects the client if they are not what it computes.

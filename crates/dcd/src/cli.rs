@@ -299,7 +299,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json_output: bool,
     /// Guess tokens ahead by prompt lookup and check each guess in the same pass (the tokens
-    /// are the same either way) [env: DCD_SPECULATIVE; default: prompt-lookup].
+    /// are the same either way) [env: DCD_SPECULATIVE; default: prompt-lookup; with --api: the
+    /// daemon's].
     #[arg(long)]
     pub speculative: Option<dc_model::speculative::Speculation>,
     /// With --json: add "logprobs", each token's log-probability and those of the N most

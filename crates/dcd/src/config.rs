@@ -97,7 +97,8 @@ pub const KEYS: &[(&str, &str)] = &[
     ("selftest", "run the numeric self-test before serving"),
     (
         "speculative",
-        "dcd generate guesses tokens ahead: prompt-lookup or off (the tokens are the same)",
+        "guess tokens ahead and check them in the same pass, in dcd generate and the \
+         generations this daemon heads: prompt-lookup or off (the tokens are the same)",
     ),
     (
         "audit_rate",
@@ -258,8 +259,7 @@ impl Settings {
             // Through the shortest decimal, so 0.1 shows as 0.1 rather than f32's widening.
             audit_rate: d.audit_rate.to_string().parse().unwrap_or(0.01),
             spot_check_rate: d.spot_check_rate,
-            // dcd generate's own (the daemon's head does not guess yet).
-            speculative: Speculation::default(),
+            speculative: d.speculative,
         }
     }
 
@@ -340,6 +340,7 @@ impl Settings {
         cfg.idle_threshold = self.idle_threshold;
         cfg.max_message_bytes = self.max_message_bytes;
         cfg.selftest = self.selftest;
+        cfg.speculative = self.speculative;
         cfg.audit_rate = self.audit_rate as f32;
         cfg.spot_check_rate = self.spot_check_rate;
         Ok(cfg)

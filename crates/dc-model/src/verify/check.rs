@@ -3,6 +3,8 @@
 //! recomputed on the revealed rows, and the layer's output compared bit for bit; and many picks
 //! of one hop checked in parallel.
 
+use std::borrow::Cow;
+
 use dc_kernels::verify::freivalds::FreivaldsKey;
 use dc_kernels::verify::reveal::{decode_for_check, decode_units_for_check, Decode, Opening};
 use dc_kernels::{Commitment, QuantizedRows};
@@ -141,15 +143,18 @@ impl LayerChecker {
             hashes.push(Message::Activations(&next), Want::Output(next_commitment()));
         }
         let known = cache.len();
-        if checks.attention() {
+        // The cache rows of positions `known..` the end of the hop, as the cache held them.
+        let revealed = match checks.attention() {
             // Every revealed cache row checked against its hop's commitment, and the cache
             // extended to the first checked position.
-            self.cache_rows(cfg, hops, cache, reveal)?;
-        } else if !reveal.cache.is_empty() {
-            return Err(format!(
-                "layer {l}: cache rows revealed that were not asked for"
-            ));
-        }
+            true => self.cache_rows(cfg, hops, cache, reveal)?,
+            false if !reveal.cache.is_empty() => {
+                return Err(format!(
+                    "layer {l}: cache rows revealed that were not asked for"
+                ))
+            }
+            false => Cow::Borrowed(&[][..]),
+        };
         let rb = cache.row_bytes();
         let per = reveal.rows.len() / positions;
         let hop = HopRows {
@@ -165,7 +170,7 @@ impl LayerChecker {
             // The cache holds 0..at: the rows before the first position from the reveal, each
             // later one appended (and compared with the revealed row) by the row before it.
             let cache_row = match checks.attention() {
-                true => &reveal.cache[(at - known) * rb..(at - known + 1) * rb],
+                true => &revealed[(at - known) * rb..(at - known + 1) * rb],
                 false => &[][..],
             };
             self.check_row(
@@ -186,7 +191,7 @@ impl LayerChecker {
         let end = trace.from + rows;
         let later = (pos + positions - known) * rb..(end - known) * rb;
         cache
-            .extend_encoded(&reveal.cache[later])
+            .extend_encoded(&revealed[later])
             .map_err(|e| format!("layer {l}: {e}"))
     }
 
@@ -492,18 +497,20 @@ impl LayerChecker {
         Ok(())
     }
 
-    /// Checks the revealed cache rows against every hop's `KvCache` commitment and extends
+    /// Checks the revealed cache rows against every hop's `KvCache` commitment, extends
     /// `cache` (the rows known so far) to the positions before the checked one (each checked
-    /// row then takes its own revealed row and appends it).
-    fn cache_rows(
+    /// row then takes its own revealed row and appends it), and returns the rows the cache held
+    /// from its known end to the end of the hop.
+    fn cache_rows<'r>(
         &self,
         cfg: &crate::ModelConfig,
         hops: &[(&HopTrace, usize)],
         cache: &mut LayerCache,
-        reveal: &LayerReveal,
-    ) -> std::result::Result<(), String> {
+        reveal: &'r LayerReveal,
+    ) -> std::result::Result<Cow<'r, [u8]>, String> {
         let (l, pos, from) = (self.layer, reveal.position as usize, cache.len());
-        check_cache_rows(cfg, l, hops, from, &reveal.cache)?;
+        let end = hops.last().map_or(0, |(t, n)| t.from + n);
+        let rows = check_cache_rows(cfg, l, hops, from, end, &reveal.cache)?;
         let rb = cache.row_bytes();
         if pos < from || (cache.kv_heads(), cache.head_dim()) != (cfg.num_kv_heads, cfg.head_dim) {
             return Err(format!(
@@ -511,8 +518,9 @@ impl LayerChecker {
             ));
         }
         cache
-            .extend_encoded(&reveal.cache[..(pos - from) * rb])
-            .map_err(|e| format!("layer {l}: {e}"))
+            .extend_encoded(&rows[..(pos - from) * rb])
+            .map_err(|e| format!("layer {l}: {e}"))?;
+        Ok(rows)
     }
 }
 

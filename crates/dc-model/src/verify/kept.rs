@@ -267,8 +267,11 @@ impl KeptHop {
             ));
         }
         let cache = match checks.attention() {
-            true => log.rows_between(layer, cache_from, end).ok_or_else(|| {
-                format!("the cache rows of layer {layer} up to {end} are not kept")
+            // Every row of the hops from `cache_from` through this one, each whole.
+            true => log.hop_rows(layer, cache_from, first + 1).ok_or_else(|| {
+                format!(
+                    "the cache rows of layer {layer} from {cache_from} up to {end} are not kept"
+                )
             })?,
             false => Vec::new(),
         };

@@ -63,6 +63,8 @@ pub struct GenerateBody {
     pub json_output: bool,
     /// Prefill chunk size.
     pub chunk: Option<u32>,
+    /// `"prompt-lookup"` or `"off"` (default: the daemon's `speculative`).
+    pub speculative: Option<dc_types::Speculation>,
     /// `"all"`: every hop re-run by a second peer before its token is released; `"sample"`
     /// (default): random audits.
     pub verify: Option<String>,
@@ -174,6 +176,7 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
         resume: Vec::new(),
         top_logprobs: b.top_logprobs,
         json_output: b.json_output,
+        speculative: b.speculative.unwrap_or(served.speculative),
     })
 }
 

@@ -875,6 +875,7 @@ fn request(
         resume: Vec::new(),
         top_logprobs: p.top_logprobs,
         json_output: p.json_output,
+        speculative: served.speculative,
     })
 }
 

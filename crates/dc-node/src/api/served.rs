@@ -29,6 +29,8 @@ pub struct Served<'a> {
     pub chunk: usize,
     /// The share of hops audited.
     pub audit_rate: f32,
+    /// Whether its generations guess tokens ahead.
+    pub speculative: dc_types::Speculation,
 }
 
 impl<'a> Served<'a> {
@@ -43,6 +45,7 @@ impl<'a> Served<'a> {
             chat: node.chat.as_ref(),
             eos: &node.special.eos,
             chunk: node.cfg.chunk,
+            speculative: node.cfg.speculative,
             audit_rate: node.cfg.audit_rate,
         }
     }

@@ -101,6 +101,8 @@ pub fn status(d: &Daemon, connections: &[ConnectionInfo]) -> Value {
         "audits": audits,
         "excluded_peers": excluded,
         "corrections": node.stats.corrections.load(Ordering::Relaxed),
+        "tokens_guessed": node.stats.guessed.load(Ordering::Relaxed),
+        "guesses_kept": node.stats.guesses_kept.load(Ordering::Relaxed),
         "reroutes": node.stats.reroutes.load(Ordering::Relaxed),
         "stages_replaced": node.stats.stages_replaced.load(Ordering::Relaxed),
         "head_failovers": node.stats.head_failovers.load(Ordering::Relaxed),

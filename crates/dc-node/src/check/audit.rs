@@ -82,6 +82,8 @@ pub struct AuditSession {
     pub auditor: Option<String>,
     /// Positions its cache holds.
     pub held: usize,
+    /// The first position of the last hop its cache ran.
+    pub last_start: usize,
 }
 
 impl AuditSession {
@@ -97,7 +99,22 @@ impl AuditSession {
             id: GenerationId(id),
             auditor: None,
             held: 0,
+            last_start: 0,
         }
+    }
+
+    /// The positions of the auditor's cache that stand for the hops in `log`: all it holds,
+    /// unless a hop after the last one it ran started inside that one (a speculative guess
+    /// missed), whose rows from there on are not the generation's.
+    fn usable(&self, log: &StageLog) -> usize {
+        let next = log.inputs.iter().find(|x| x.start > self.last_start);
+        next.map_or(self.held, |x| self.held.min(x.start))
+    }
+
+    /// The auditor's cache ran `last` as its last hop.
+    fn ran(&mut self, last: &dc_model::Activations) {
+        self.held = last.start + last.rows();
+        self.last_start = last.start;
     }
 
     /// Frees the auditor's cache.
@@ -166,13 +183,10 @@ pub async fn audit(
     // Continue the auditor's cache; if it lost it, start over once from position 0. An audit
     // of a hop the cache has already passed (audits of one stage can start out of order)
     // starts from 0 at once.
-    let resume = if session.held <= last.start {
-        session.held
-    } else {
-        0
-    };
+    let usable = session.usable(&log);
+    let resume = if usable <= last.start { usable } else { 0 };
     if let Some(trace) = audit_from_cache(&checks, &seg, &log, &auditor, &session, resume).await {
-        session.held = last.start + last.rows();
+        session.ran(last);
         drop(session);
         return judge(&checks, seg, log, &auditor, trace).await;
     }
@@ -210,7 +224,7 @@ pub async fn audit(
     }
     let trace = match theirs {
         Ok(t) => {
-            session.held = last.start + last.rows();
+            session.ran(last);
             t
         }
         Err(e) => {
@@ -300,16 +314,21 @@ async fn audit_from_cache(
         .cloned()
         .zip(log.inputs[..n].iter().map(|x| x.rows()))
         .collect();
-    let (cfg, layers) = (node.model_cfg.clone(), seg.layers);
+    let (cfg, layers, end) = (node.model_cfg.clone(), seg.layers, last.start);
     let checked = tokio::task::spawn_blocking(move || {
         let views: Vec<_> = hops.iter().map(|(t, n)| (&**t, *n)).collect();
         if rows.len() != layers.as_range().len() {
             return Err(format!("rows of {} layers for {layers}", rows.len()));
         }
-        for (l, bytes) in layers.as_range().zip(&rows) {
-            dc_model::check_cache_rows(&cfg, l, &views, held, bytes)?;
-        }
-        Ok(rows)
+        // Each hop's rows whole, kept as the cache held them before the audited hop.
+        layers
+            .as_range()
+            .zip(&rows)
+            .map(|(l, bytes)| {
+                dc_model::check_cache_rows(&cfg, l, &views, held, end, bytes)
+                    .map(|r| r.into_owned())
+            })
+            .collect::<Result<Vec<_>, _>>()
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));

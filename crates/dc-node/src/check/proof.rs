@@ -236,16 +236,19 @@ fn verify_recompute(
     }
     let model = model.ok_or("re-running the layer needs the model's weights")?;
     let mut cache = KvCache::new(cfg, layer as usize..layer as usize + 1);
-    let mut next = 0usize;
+    // Each input continues where the one before ended, or starts inside it (after its first
+    // position: a speculative guess that missed, cut from the cache as every replay cuts it).
+    let (mut next, mut previous_start) = (0usize, None);
     for (k, w) in p.layer_inputs.iter().enumerate() {
         let x = from_wire(w.clone(), cfg.hidden_size, cfg.max_positions)
             .map_err(|e| format!("layer input {k}: {e}"))?;
-        if x.start != next {
+        if x.start > next || previous_start.is_some_and(|f| x.start <= f) {
             return Err(format!(
-                "layer input {k} starts at {}, expected {next}",
+                "layer input {k} starts at {}: not by {next}, or not after the one before",
                 x.start
             ));
         }
+        previous_start = Some(x.start);
         next = x.start + x.rows();
         if Some(x.commitment()) != p.traces[k].get(layer, Point::Input) {
             return Err(format!(

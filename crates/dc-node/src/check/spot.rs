@@ -102,6 +102,11 @@ pub type KnownCaches = Arc<std::sync::Mutex<HashMap<usize, LayerCache>>>;
 /// Hops of one stage a head asks about in one reveal exchange (the stage keeps more).
 pub const REVEAL_BATCH: usize = dc_types::MAX_REVEAL_HOPS;
 
+/// Most rows of a hop revealed in a batch with others: a decode lap, with the head's guess of
+/// the tokens after its first. Longer hops (a prompt's) are revealed one layer at a time, at
+/// once.
+pub const BATCHED_ROWS: usize = 1 + dc_model::speculative::MAX_DRAFT;
+
 /// Most rows of a prefill hop one reveal asks for, one picked layer at a time (all a stage
 /// reveals in one pick).
 pub const ROWS_PER_REVEAL: usize = dc_types::MAX_REVEAL_ROWS;
@@ -121,6 +126,10 @@ pub struct HopPicks {
     pub step: u64,
     /// What the head's coins drew of it.
     pub picks: Vec<RevealPick>,
+    /// Where the cache rows that stand after the hop end: its end, or its start for a
+    /// speculative pass (the next hop may start inside it, overwriting its guessed rows). A
+    /// check of it keeps the verified rows only up to here for the checks after it.
+    pub holds: usize,
 }
 
 impl HopPicks {
@@ -148,6 +157,7 @@ impl HopPicks {
                 parts.push(HopPicks {
                     log: self.log.clone(),
                     step: self.step,
+                    holds: self.holds,
                     picks: vec![RevealPick {
                         position: at,
                         positions: (end - at).min(ROWS_PER_REVEAL as u32),
@@ -180,14 +190,14 @@ pub async fn spot_check(
         return false;
     }
     let mut held = take_verified(&checks, &mut hops, &known);
-    // One-row hops in one exchange, sent at once; each prefill hop's picks one layer and at
+    // Decode laps (up to BATCHED_ROWS rows) in one exchange, sent at once; each prefill hop's picks one layer and at
     // most ROWS_PER_REVEAL rows per exchange, PREFILL_IN_FLIGHT at a time ahead of the checks
     // (bounded memory; the stage keeps only its last few hops, so they go early). Checked in
     // hop order.
     let (mut batched, mut alone) = (Vec::new(), Vec::new());
     let mut order = Vec::new();
     for h in hops {
-        match h.rows() > 1 {
+        match h.rows() > BATCHED_ROWS {
             true => {
                 for part in h.by_rows() {
                     alone.push(part);
@@ -304,7 +314,7 @@ fn take_verified(
         for p in h.picks.iter_mut().filter(|p| p.checks.attention()) {
             let to = verified_to.entry(p.layer as usize).or_default();
             p.cache_from = (*to).min(start) as u32;
-            *to = end;
+            *to = h.holds.min(end);
         }
     }
     held
@@ -370,6 +380,7 @@ fn split_behind(
     let retry = (!behind.is_empty()).then(|| HopPicks {
         log: h.log.clone(),
         step: h.step,
+        holds: h.holds,
         picks: behind,
     });
     h.picks = keep;
@@ -386,7 +397,12 @@ async fn check_hop(
     session: &Arc<tokio::sync::Mutex<AuditSession>>,
     held: &mut HashMap<usize, LayerCache>,
 ) -> bool {
-    let HopPicks { log, step, picks } = h;
+    let HopPicks {
+        log,
+        step,
+        picks,
+        holds,
+    } = h;
     let Some((rows, start)) = log.inputs.last().map(|x| (x.rows(), x.start)) else {
         return false;
     };
@@ -464,7 +480,12 @@ async fn check_hop(
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));
-    let checked = checked.map(|verified| held.extend(verified));
+    let checked = checked.map(|verified| {
+        held.extend(verified.into_iter().map(|(l, mut c)| {
+            c.truncate(holds.min(c.len()));
+            (l, c)
+        }))
+    });
     let n = layers.len() as u64;
     tally(checks, |t| {
         t.run += 1;
@@ -669,6 +690,7 @@ mod tests {
             log: log.clone(),
             step: 7,
             picks: picks.clone(),
+            holds: 6,
         };
         let answer = Ok(vec![reveal(2), reveal(3), reveal(4)]);
         let (kept, answer, retry) = split_behind(hop.clone(), answer, &held);

@@ -113,6 +113,8 @@ pub struct NodeConfig {
     pub max_message_bytes: usize,
     /// Prefill chunk (positions per hop).
     pub chunk: usize,
+    /// Whether the generations this daemon heads guess tokens ahead (unless a request says).
+    pub speculative: dc_types::Speculation,
     /// Run the numeric self-test before serving.
     pub selftest: bool,
     /// Serve only while the machine is otherwise idle (pause new work when other processes
@@ -169,6 +171,7 @@ impl NodeConfig {
             request_timeout: Duration::from_secs(120),
             max_message_bytes: 64 << 20,
             chunk: 64,
+            speculative: dc_types::Speculation::default(),
             selftest: true,
             idle_only: false,
             idle_threshold: 0.5,

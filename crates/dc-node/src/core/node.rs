@@ -57,6 +57,10 @@ pub struct Stats {
     pub exclusions: AtomicU64,
     /// Tokens corrected after a liar was found.
     pub corrections: AtomicU64,
+    /// Tokens guessed ahead as head (speculative decoding).
+    pub guessed: AtomicU64,
+    /// Guessed tokens the sampler then produced (each saved a lap).
+    pub guesses_kept: AtomicU64,
     /// Attempts restarted without a peer whose answer to a hop could not be used.
     pub reroutes: AtomicU64,
     /// Route stages handed to another peer mid-generation, after a hop that could not be used.

@@ -104,13 +104,20 @@ impl Attempt {
         }
     }
 
-    /// Runs every stage of the route over `x`.
+    /// Runs every stage of the route over `x` (`guessed`: its rows after the first are a
+    /// guess, which the next lap may cut off).
     pub(super) async fn lap(
         &mut self,
         d: &Daemon,
         step: u64,
         mut x: Activations,
+        guessed: bool,
     ) -> Result<Activations, Stop> {
+        // The stages' cache rows of this lap that stand for the laps after it.
+        let holds = match guessed {
+            true => x.start,
+            false => x.start + x.rows(),
+        };
         for i in 0..self.route.len() {
             let h = self.route[i].clone();
             let input = Arc::new(x.clone());
@@ -160,7 +167,7 @@ impl Attempt {
                 Err(stop @ Stop::Unusable { .. }) => self.replace(d, i, step, stop).await?,
                 r => r?,
             };
-            self.checks_after(d, i, step, &x, r.record, r.trace);
+            self.checks_after(d, i, step, &x, holds, r.record, r.trace);
             x = r.output;
         }
         // A liar proven by a finished audit: recompute without it.
@@ -177,14 +184,17 @@ impl Attempt {
         route.chain(retired).find(|p| node.is_excluded(p)).cloned()
     }
 
-    /// Logs route stage `i`'s answer to hop `step` (input `x`) and starts its checks: an
-    /// audit if the coin says so, and the hop's spot-check picks (batched).
+    /// Logs route stage `i`'s answer to hop `step` (input `x`, whose cache rows stand up to
+    /// `holds`) and starts its checks: an audit if the coin says so, and the hop's spot-check
+    /// picks (batched).
+    #[allow(clippy::too_many_arguments)]
     fn checks_after(
         &mut self,
         d: &Daemon,
         i: usize,
         step: u64,
         x: &Activations,
+        holds: usize,
         record: Signed<HopRecord>,
         trace: HopTrace,
     ) {
@@ -216,10 +226,11 @@ impl Attempt {
                 log: self.logs[i].clone(),
                 step,
                 picks,
+                holds,
             });
-            // A prefill hop at once: its picks take several exchanges, and the stage keeps
+            // A prompt's hop at once: its picks take several exchanges, and the stage keeps
             // only its last few hops.
-            if self.pending[i].len() >= spot::REVEAL_BATCH || x.rows() > 1 {
+            if self.pending[i].len() >= spot::REVEAL_BATCH || x.rows() > spot::BATCHED_ROWS {
                 self.check_pending(d, i);
             }
         }
@@ -307,7 +318,12 @@ impl Attempt {
                 );
                 return Err(stop);
             }
-            self.checks_after(d, i, k, input, r.record, r.trace);
+            // The hop after it is logged: its rows stand up to where that one started.
+            let holds = old
+                .inputs
+                .get(k as usize + 1)
+                .map_or(input.start, |n| n.start);
+            self.checks_after(d, i, k, input, holds, r.record, r.trace);
         }
         let Some(x) = old.inputs.get(step as usize) else {
             return Err(stop);

@@ -25,8 +25,9 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use dc_model::generate::{logits_commitment, GenerateRequest, Next, TokenLoop};
+use dc_model::generate::{draft_room, logits_commitment, GenerateRequest, Next, TokenLoop};
 use dc_model::sampling::logprobs as token_logprobs;
+use dc_model::speculative::Speculator;
 use dc_model::Activations;
 use dc_types::{GenerationEvent, GenerationRequest, TokenLogprobs, VerifyMode, MAX_TOP_LOGPROBS};
 use tokio::sync::mpsc;
@@ -300,7 +301,7 @@ async fn run_attempt(
             true => Some(d.node.token_texts().map_err(Stop::Failed)?),
             false => None,
         },
-        speculative: dc_model::speculative::Speculation::Off,
+        speculative: req.speculative,
     };
     let mut tl =
         TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;
@@ -321,10 +322,13 @@ async fn run_attempt(
         !known.is_empty(),
     )
     .await?;
-    let (mut step, mut pos) = (fed.chunks(greq.chunk).len() as u64, fed.len());
+    let mut step = fed.chunks(greq.chunk).len() as u64;
     let (mut at_pos, mut logits) = derived
         .pop_front()
         .ok_or_else(|| Stop::Failed("an empty prompt".into()))?;
+    // Guesses of the tokens ahead (speculative.rs): each lap runs the token just sampled and a
+    // guess after it, and `derived` holds the rows of the guessed positions not sampled yet.
+    let mut spec = Speculator::new(greq.speculative, &greq.prompt);
     // The log-probabilities of every token produced, when asked for (a correction resends
     // them with its tokens).
     let mut logprobs: Vec<TokenLogprobs> = Vec::new();
@@ -339,6 +343,10 @@ async fn run_attempt(
         if t.is_some() && produced <= known.len() && tl.tokens[produced - 1] != known[produced - 1]
         {
             return Err(Stop::Diverged);
+        }
+        // A token the lap did not guess: the rows it ran after the guess are not this text's.
+        if t.is_some_and(|t| !spec.produced(t)) {
+            derived.clear();
         }
         if let (Some(t), Some(n)) = (t, req.top_logprobs) {
             logprobs.push(token_logprobs(&logits, t, n as usize));
@@ -362,17 +370,31 @@ async fn run_attempt(
             correct(d, tx, delivered, &tl.tokens, &logprobs).await?;
         }
         if let Some(why) = done {
+            let s = spec.stats;
+            d.node
+                .stats
+                .guessed
+                .fetch_add(s.drafted as u64, Ordering::Relaxed);
+            d.node
+                .stats
+                .guesses_kept
+                .fetch_add(s.accepted as u64, Ordering::Relaxed);
             break why;
         }
-        // The next logits: re-derived from prefill, or a lap of the token just sampled.
+        // The next logits: re-derived from prefill, guessed in the last lap, or a lap of the
+        // token just sampled (at the position after the row it came from) and a guess.
         (at_pos, logits) = match derived.pop_front() {
             Some(row) => row,
             None => {
-                let t = tl.tokens[tl.tokens.len() - 1];
-                let mut rows = lap(d, at, step, vec![t], pos, pos).await?;
+                let left = greq.max_new_tokens - tl.tokens.len();
+                let room = draft_room(left, d.node.model_cfg.max_positions, at_pos);
+                let tokens = spec.next_pass(room);
+                let guessed = tokens.len() > 1;
+                let start = at_pos + 1;
+                derived = lap(d, at, step, tokens, start, start, guessed).await?;
                 step += 1;
-                pos += 1;
-                rows.pop_front()
+                derived
+                    .pop_front()
                     .ok_or_else(|| Stop::Failed("no logits".into()))?
             }
         };
@@ -407,7 +429,16 @@ async fn prefill(
             true => prompt_len.saturating_sub(1).max(pos),
             false => end - 1,
         };
-        let got = lap(d, at, step as u64, c.to_vec(), pos, from.min(end - 1)).await?;
+        let got = lap(
+            d,
+            at,
+            step as u64,
+            c.to_vec(),
+            pos,
+            from.min(end - 1),
+            false,
+        )
+        .await?;
         if !every_row {
             rows.clear();
         }
@@ -417,8 +448,9 @@ async fn prefill(
     Ok(rows)
 }
 
-/// Embeds `tokens` at `pos`, runs them through the route as hop `step`, and reads out the
-/// logits of the rows from position `from` on, each with its position.
+/// Embeds `tokens` at `pos`, runs them through the route as hop `step` (`guessed`: tokens
+/// after the first are a guess), and reads out the logits of the rows from position `from` on,
+/// each with its position.
 async fn lap(
     d: &Daemon,
     at: &mut Attempt,
@@ -426,9 +458,10 @@ async fn lap(
     tokens: Vec<u32>,
     pos: usize,
     from: usize,
+    guessed: bool,
 ) -> Result<VecDeque<(usize, Vec<f32>)>, Stop> {
     let x = embed(d, tokens, pos).await?;
-    let y = at.lap(d, step, x).await?;
+    let y = at.lap(d, step, x, guessed).await?;
     Ok(readout(d, y.rows_from(from)).await?)
 }
 

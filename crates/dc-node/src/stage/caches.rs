@@ -11,9 +11,10 @@ use dc_types::{Commitment, GenerationId, HopErrorKind, HopRecord, LayerRange, MA
 use tracing::warn;
 
 /// Hops kept per generation for reveals: a head asks about up to [`MAX_REVEAL_HOPS`] of a
-/// stage's hops at once, right after the last of them, so one more suffices even when the next
-/// hop has already arrived.
-pub const KEPT_HOPS: usize = MAX_REVEAL_HOPS + 1;
+/// stage's hops at once, right after the last of them, so one more would suffice if its
+/// request always came before the next hop but one; a batch's worth more leaves room for a head
+/// whose checks lag its laps (a busy machine, a head guessing several tokens a lap).
+pub const KEPT_HOPS: usize = 2 * MAX_REVEAL_HOPS + 1;
 
 /// Bytes of kept hops this daemon holds at most, over all generations; a hop that does not fit
 /// is not kept (a reveal of it is refused, which a head only holds against a one-row hop).
@@ -36,6 +37,9 @@ struct Entry {
     /// The chain of the inputs that built the cache ([`HopRecord::chain`]), which the next
     /// hop's record names.
     chain: Commitment,
+    /// The first position of the last hop taken: a hop may start inside it (a speculative
+    /// guess missed), but not at or before it.
+    last_start: usize,
 }
 
 /// The KV caches this daemon holds, one per generation, bounded in number and dropped when
@@ -125,6 +129,7 @@ impl StageCaches {
                     kept: VecDeque::new(),
                     log: CacheLog::default(),
                     chain: HopRecord::FIRST,
+                    last_start: 0,
                 },
             );
             return Ok(KvCache::new(cfg, layers.as_range()));
@@ -143,14 +148,22 @@ impl StageCaches {
             HopErrorKind::BadActivations,
             format!("generation {g} is already running a hop here"),
         ))?;
-        if cache.len() != start {
-            let held = cache.len();
+        // A hop continues where the cache ends, or starts inside the last hop after its first
+        // position: the guess of a speculative pass missed there, and the model cuts the
+        // cache back to `start` before running (as every replay of the hops does).
+        let held = cache.len();
+        if start > held || (start < held && start <= e.last_start) {
             e.cache = Some(cache);
             return Err((
                 HopErrorKind::BadActivations,
-                format!("activations start at position {start} but the cache holds {held}"),
+                format!(
+                    "activations start at position {start} but the cache holds {held} and its \
+                     last hop started at {}",
+                    e.last_start
+                ),
             ));
         }
+        e.last_start = start;
         Ok(cache)
     }
 
@@ -197,9 +210,22 @@ impl StageCaches {
     /// Keeps hop `step` of `g` for reveals, dropping its older hops beyond [`KEPT_HOPS`]; not
     /// kept when it would take the daemon past [`KEPT_BYTES`]. The cache rows the hop added
     /// are logged either way (they are revealed for later hops too).
-    pub(super) fn keep(&mut self, g: &GenerationId, step: u64, hop: KeptHop, cache: &KvCache) {
+    pub(super) fn keep(
+        &mut self,
+        g: &GenerationId,
+        step: u64,
+        start: usize,
+        hop: KeptHop,
+        cache: &KvCache,
+    ) {
         if let Some(e) = self.entries.get_mut(g) {
-            e.log.record(cache);
+            // `take` let only a hop the log can follow run; should one not fit, nothing is
+            // revealed of the generation any more (a head audits the hops instead).
+            if e.log.record_hop(start, cache).is_err() {
+                e.log = CacheLog::default();
+                e.kept.clear();
+                return;
+            }
             while e.kept.len() >= KEPT_HOPS {
                 e.kept.pop_front();
             }
@@ -272,6 +298,46 @@ mod tests {
     #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
     use super::*;
+
+    /// Appends `n` positions to every layer of `cache`.
+    fn grow(cfg: &dc_model::ModelConfig, cache: &mut KvCache, n: usize) {
+        let w = cfg.kv_width();
+        for l in cache.layers() {
+            for i in 0..n {
+                let row: Vec<f32> = (0..w).map(|j| ((i + j) % 7) as f32 - 3.0).collect();
+                cache.layer_mut(l).unwrap().append(&row, &row).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn a_hop_continues_the_cache_or_starts_inside_the_last_hop_after_its_start() {
+        let cfg = config();
+        let (g, layers) = (GenerationId([9; 16]), LayerRange::new(0, 2).unwrap());
+        let mut caches = StageCaches::default();
+        let mut cache = caches.take(g, "head", layers, 0, &cfg, 4).unwrap();
+        grow(&cfg, &mut cache, 6);
+        caches.put(g, Some(cache));
+        // Past the cache's end: refused, and the cache stays.
+        let (_, why) = caches.take(g, "head", layers, 7, &cfg, 4).unwrap_err();
+        assert!(why.contains("holds 6"), "{why}");
+        let mut cache = caches.take(g, "head", layers, 6, &cfg, 4).unwrap();
+        grow(&cfg, &mut cache, 3);
+        caches.put(g, Some(cache));
+        // At or before the last hop's start (6): refused; inside it, after its start: taken,
+        // whole (the model cuts it back to where the hop starts).
+        // (Position 0 would start the generation over.)
+        for start in [4, 6] {
+            let (_, why) = caches.take(g, "head", layers, start, &cfg, 4).unwrap_err();
+            assert!(why.contains("last hop started at 6"), "{start}: {why}");
+        }
+        let cache = caches.take(g, "head", layers, 8, &cfg, 4).unwrap();
+        assert_eq!(cache.len(), 9);
+        caches.put(g, Some(cache));
+        // The next one must start after 8.
+        assert!(caches.take(g, "head", layers, 8, &cfg, 4).is_err());
+        assert!(caches.take(g, "head", layers, 9, &cfg, 4).is_ok());
+    }
 
     fn config() -> dc_model::ModelConfig {
         let fixture =

@@ -47,6 +47,7 @@ impl Stage {
 
     async fn run_hop(self: &Arc<Self>, req: HopRequest, from: &str, keep: bool) -> HopResponse {
         let (generation, step, layers) = (req.generation, req.step, req.layers);
+        let start = req.activations.start as usize;
         let hop = HopId { generation, step };
         let Admitted {
             serving,
@@ -93,7 +94,7 @@ impl Stage {
         };
         self.caches(|c| {
             if keep {
-                c.keep(&generation, step, kept, &cache);
+                c.keep(&generation, step, start, kept, &cache);
             }
             c.put_after(generation, cache, record.chain());
         });

@@ -8,6 +8,10 @@ use dc_types::{
     MAX_REVEAL_ROWS,
 };
 
+use std::sync::Arc;
+
+use dc_model::{CacheLog, KeptHop};
+
 use super::server::Stage;
 
 impl Stage {
@@ -18,9 +22,10 @@ impl Stage {
         req: RevealRequest,
         from: &str,
     ) -> Result<Vec<LayerReveal>, String> {
+        let found = self.kept_hop(&req, from);
         let _slot = self.reveal_slot().await?;
         let limit = self.node.cfg.max_message_bytes / 2;
-        self.reveal_within(req, from, limit).await.map(|(r, _)| r)
+        self.reveal_within(req, found, limit).await.map(|(r, _)| r)
     }
 
     /// Reveals rows of several hops this daemon served, one answer per hop; together they stay
@@ -36,23 +41,46 @@ impl Stage {
                 reqs.len()
             ));
         }
+        // Every hop taken out of the kept ones on arrival (shared, not copied): newer hops may
+        // push them out while this waits for its turn.
+        let found: Vec<_> = reqs.iter().map(|r| self.kept_hop(r, from)).collect();
         let _slot = self.reveal_slot().await?;
         let mut left = self.node.cfg.max_message_bytes / 2;
         let mut out = Vec::with_capacity(reqs.len());
-        for req in reqs {
-            out.push(self.reveal_within(req, from, left).await.map(|(r, bytes)| {
-                left -= bytes;
-                r
-            }));
+        for (req, found) in reqs.into_iter().zip(found) {
+            out.push(
+                self.reveal_within(req, found, left)
+                    .await
+                    .map(|(r, bytes)| {
+                        left -= bytes;
+                        r
+                    }),
+            );
         }
         Ok(out)
     }
 
-    /// [`serve_reveal`] within `limit` bytes of rows and activations; also returns the bytes.
+    /// The hop `req` asks about, with the generation's cache rows, if kept for `from`.
+    fn kept_hop(
+        &self,
+        req: &RevealRequest,
+        from: &str,
+    ) -> Result<(Arc<KeptHop>, CacheLog), String> {
+        self.caches(|c| c.kept(&req.generation, req.step, from))
+            .ok_or_else(|| {
+                format!(
+                    "step {} of generation {} is not kept here for {from}",
+                    req.step, req.generation
+                )
+            })
+    }
+
+    /// [`serve_reveal`] of the `found` hop within `limit` bytes of rows and activations; also
+    /// returns the bytes.
     async fn reveal_within(
         &self,
         req: RevealRequest,
-        from: &str,
+        found: Result<(Arc<KeptHop>, CacheLog), String>,
         limit: usize,
     ) -> Result<(Vec<LayerReveal>, usize), String> {
         if req.picks.is_empty() || req.picks.len() > MAX_REVEAL_PICKS {
@@ -79,14 +107,7 @@ impl Stage {
         if let Some(w) = layers.windows(2).find(|w| w[0] == w[1]) {
             return Err(format!("layer {} is picked twice", w[0]));
         }
-        let (kept, log) = self
-            .caches(|c| c.kept(&req.generation, req.step, from))
-            .ok_or_else(|| {
-                format!(
-                    "step {} of generation {} is not kept here for {from}",
-                    req.step, req.generation
-                )
-            })?;
+        let (kept, log) = found?;
         tokio::task::spawn_blocking(move || {
             // Pick by pick, stopping at the limit: what a request makes this stage assemble stays
             // within the limit and one pick.
@@ -133,8 +154,15 @@ impl Stage {
         if from > end {
             return Err(format!("positions {from}..{end} are backwards"));
         }
-        // Sized before anything is copied.
-        let bytes = (end - from)
+        if end > log.len() {
+            return Err(format!(
+                "the layers hold fewer than {end} positions here ({})",
+                log.len()
+            ));
+        }
+        // Sized before anything is copied (each hop's rows whole, the cut ones too).
+        let bytes = log
+            .hop_rows_count(from, end)
             .saturating_mul(log.row_bytes())
             .saturating_mul(layers.as_range().len());
         let limit = self.node.cfg.max_message_bytes / 2;
@@ -147,8 +175,9 @@ impl Stage {
         let rows = layers
             .as_range()
             .map(|l| {
-                log.rows_between(l, from, end)
-                    .ok_or_else(|| format!("layer {l} holds fewer than {end} positions here"))
+                log.hop_rows(l, from, end).ok_or_else(|| {
+                    format!("layer {l} holds no hops from position {from} up to {end} here")
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(rows)

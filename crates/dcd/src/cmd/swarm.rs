@@ -72,12 +72,6 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
 }
 
 pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
-    if a.speculative == Some(dc_model::speculative::Speculation::PromptLookup) {
-        anyhow::bail!(
-            "--speculative prompt-lookup runs in this process only: a daemon's head decodes one \
-             token per lap until its stages can roll their KV caches back"
-        );
-    }
     let mut events = client::post_stream(api, "/generate", &generate_body(a)?)?;
     let mut stdout = std::io::stdout().lock();
     let mut seen = Transcript {
@@ -165,6 +159,9 @@ fn generate_body(a: &GenerateArgs) -> Result<Value> {
     }
     if let Some(n) = a.top_logprobs {
         body["top_logprobs"] = json!(n);
+    }
+    if let Some(s) = a.speculative {
+        body["speculative"] = json!(s);
     }
     if a.json_output {
         body["json_output"] = json!(true);
