@@ -3,10 +3,20 @@
 # model: time per token and tokens/s, then aggregate throughput with several concurrent
 # generations through the pipeline. Prints one line per measurement.
 #
-#   scripts/bench-swarm.sh [MODEL] [TOKENS] [CONCURRENCY]     (default: smollm2-135m 64 4)
+#   scripts/bench-swarm.sh [--speculative] [MODEL] [TOKENS] [CONCURRENCY]
+#                                                  (default: smollm2-135m 64 4)
 #   LAYERS=30 sets the model's layer count (default 30, SmolLM2-135M).
+#
+# With --speculative it measures instead decode with and without prompt-lookup speculation,
+# locally and through the pipeline, on three tasks (editing code, quoting a text, free text),
+# greedy, with the tokens per lap the head kept; the tokens must be the same in every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SPECULATIVE=0
+if [ "${1:-}" = --speculative ]; then
+    SPECULATIVE=1
+    shift
+fi
 MODEL=${1:-smollm2-135m}
 TOKENS=${2:-64}
 CONC=${3:-4}
@@ -61,6 +71,63 @@ start b "$a..$b" --no-head --bootstrap "$boot"
 start c "$b..$L" --no-head --bootstrap "$boot"
 api=$(grep -m1 "control API on" "$work/a.out" | awk '{print $4}')
 sleep 2
+
+if [ "$SPECULATIVE" = 1 ]; then
+    tasks=(
+        "edit code|Here is a Python function:
+
+def total(items):
+    result = 0
+    for item in items:
+        if item.price > 0:
+            result = result + item.price * item.count
+    return result
+
+The same function with result renamed to acc:
+
+def total(items):
+"
+        "quote|The mayor said: \"The river rose four feet in one night, and we opened the school as a shelter for every family that needed one.\" Repeat what the mayor said, word for word: \""
+        "free text|Write a short story about a lighthouse keeper who finds a message in a bottle."
+    )
+    guesses() { # the head's guessed and kept tokens so far
+        "$DCD" status --api "$api" --json | python3 -c "import json,sys; s=json.load(sys.stdin); print(s['tokens_guessed'], s['guesses_kept'])"
+    }
+    for task in "${tasks[@]}"; do
+        name=${task%%|*}
+        text=${task#*|}
+        for mode in off prompt-lookup; do
+            gen() { "$DCD" generate "$@" --prompt "$text" --ignore-eos --json --speculative "$mode"; }
+            # The tokens are the same in every mode, locally and through the pipeline.
+            want=$(gen --model "$MODEL" --max-new-tokens "$TOKENS" | python3 -c "import json,sys; print(json.load(sys.stdin)['tokens'])")
+            got=$(gen --api "$api" --max-new-tokens "$TOKENS" --audit-rate 0 | python3 -c "import json,sys; print(json.load(sys.stdin)['tokens'])")
+            if [ "$want" != "$got" ]; then
+                echo "$name, $mode: the pipeline's tokens differ from one process's" >&2
+                exit 1
+            fi
+            read -r g0 k0 < <(guesses)
+            tl=$(seconds gen --model "$MODEL" --max-new-tokens "$TOKENS")
+            tl1=$(seconds gen --model "$MODEL" --max-new-tokens 1)
+            ts=$(seconds gen --api "$api" --max-new-tokens "$TOKENS" --audit-rate 0)
+            ts1=$(seconds gen --api "$api" --max-new-tokens 1 --audit-rate 0)
+            read -r g1 k1 < <(guesses)
+            python3 - "$name" "$mode" "$TOKENS" "$tl" "$tl1" "$ts" "$ts1" "$((g1 - g0))" "$((k1 - k0))" <<'PY'
+import sys
+name, mode = sys.argv[1:3]
+n, tl, tl1, ts, ts1 = int(sys.argv[3]), *map(float, sys.argv[4:8])
+guessed, kept = map(int, sys.argv[8:10])
+dl, ds = (tl - tl1) / (n - 1), (ts - ts1) / (n - 1)
+# Five generations of n tokens through the pipeline (and five of one token, with no lap): each
+# kept guess saved a lap.
+laps = 5 * (n - 1) - kept
+per_lap = 5 * (n - 1) / laps if laps > 0 else 0
+print(f"{name:>9}, {mode:>13}: one process {1/dl:6.1f} tokens/s, 3-daemon pipeline {1/ds:6.1f} tokens/s "
+      f"({per_lap:.2f} tokens per lap, {kept} of {guessed} guesses kept)")
+PY
+        done
+    done
+    exit 0
+fi
 
 prompt="The quick brown fox jumps over the lazy dog. Once upon a time"
 # One process, including loading the model; and the load alone (one token), to subtract.

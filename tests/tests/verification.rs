@@ -12,7 +12,8 @@ use std::time::Duration;
 use dc_tests::*;
 use serde_json::Value;
 
-const PROMPT: &str = "5,17,99,3,250,41,7,0,12";
+/// The test prompt: it repeats itself, so the head's prompt-lookup guesses come into play.
+const PROMPT: &str = "5,17,99,3,5,17,99,3,5,17,99";
 
 /// Every kind of lie the test-only faulty peer tells (`hide` has its own test).
 const LIES: [&str; 5] = [

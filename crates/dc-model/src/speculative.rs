@@ -21,11 +21,18 @@ use serde::Serialize;
 pub use dc_types::Speculation;
 
 /// Longest n-gram matched: a longer match is a better predictor, tried first.
-const MAX_NGRAM: usize = 3;
-/// Shortest n-gram matched. One token repeats too often by chance to be worth a guess.
-const MIN_NGRAM: usize = 2;
+const MAX_NGRAM: usize = 4;
+/// Shortest n-gram matched. One or two tokens repeat too often by chance in free text to be
+/// worth a guess (a pass of two rows costs about 1.3 of one on SmolLM2: `dcd bench
+/// speculative` prints the cost of each size).
+const MIN_NGRAM: usize = 3;
 /// Most tokens guessed in one pass.
 pub const MAX_DRAFT: usize = 8;
+/// How long the first guess may be (a guess of more rows costs more when it misses: start
+/// short, and double after each full hit).
+const FIRST_DRAFT: usize = 2;
+/// Most passes without a guess after guesses that missed at once.
+const MAX_COOLDOWN: usize = 16;
 
 /// Guesses the tokens after `history` by the most recent earlier occurrence of its last
 /// `MAX_NGRAM` (else fewer, down to `MIN_NGRAM`) tokens: the up to `limit` tokens that followed
@@ -71,9 +78,16 @@ pub struct Speculator {
     history: Vec<u32>,
     /// Guessed tokens the last pass ran, not yet compared with what the sampler produced.
     ahead: VecDeque<u32>,
-    /// How long the next guess may be: halved after a miss, doubled after a full hit, so a
-    /// text that does not repeat itself costs few extra rows.
+    /// How long the next guess may be: halved after a miss, doubled after a full hit.
     length: usize,
+    /// Guessed tokens of the pass in flight the sampler produced so far.
+    hits: usize,
+    /// Passes to run without a guess, after a guess missed at its first token: one, then
+    /// twice as many after each such miss in a row (up to [`MAX_COOLDOWN`]), none after a hit.
+    /// So a text that does not repeat itself costs few extra rows.
+    cooldown: usize,
+    /// Passes left before guessing again.
+    skip: usize,
     /// How it went.
     pub stats: SpeculationStats,
 }
@@ -85,7 +99,10 @@ impl Speculator {
             mode,
             history: prompt.to_vec(),
             ahead: VecDeque::new(),
-            length: MAX_DRAFT,
+            length: FIRST_DRAFT,
+            hits: 0,
+            cooldown: 0,
+            skip: 0,
             stats: SpeculationStats::default(),
         }
     }
@@ -99,6 +116,8 @@ impl Speculator {
             None => true,
             Some(guess) if guess == t => {
                 self.stats.accepted += 1;
+                self.hits += 1;
+                self.cooldown = 0;
                 if self.ahead.is_empty() {
                     self.length = (self.length * 2).min(MAX_DRAFT);
                 }
@@ -107,6 +126,10 @@ impl Speculator {
             Some(_) => {
                 self.ahead.clear();
                 self.length = (self.length / 2).max(1);
+                if self.hits == 0 {
+                    self.cooldown = (self.cooldown * 2).clamp(1, MAX_COOLDOWN);
+                    self.skip = self.cooldown;
+                }
                 false
             }
         }
@@ -117,9 +140,16 @@ impl Speculator {
     pub fn next_pass(&mut self, room: usize) -> Vec<u32> {
         let last = self.history.last().copied().unwrap_or_default();
         let guess = match self.mode {
+            Speculation::PromptLookup if self.skip == 0 => {
+                prompt_lookup(&self.history, room.min(self.length))
+            }
+            Speculation::PromptLookup => {
+                self.skip -= 1;
+                Vec::new()
+            }
             Speculation::Off => Vec::new(),
-            Speculation::PromptLookup => prompt_lookup(&self.history, room.min(self.length)),
         };
+        self.hits = 0;
         self.stats.passes += 1;
         self.stats.drafted += guess.len();
         self.ahead = guess.iter().copied().collect();
@@ -133,32 +163,53 @@ mod tests {
 
     #[test]
     fn the_latest_longest_match_is_copied() {
-        // "5 6" occurs twice before the tail; the later one (followed by 9) wins over the
-        // earlier (followed by 7), and a 3-gram "4 5 6" would win over both.
-        let h = [5, 6, 7, 1, 5, 6, 9, 2, 5, 6];
+        // "5 6 7" occurs twice before the tail; the later one (followed by 9) wins over the
+        // earlier (followed by 1).
+        let h = [5, 6, 7, 1, 5, 6, 7, 9, 2, 5, 6, 7];
         assert_eq!(prompt_lookup(&h, 3), vec![9, 2, 5]);
-        let h = [4, 5, 6, 8, 8, 1, 5, 6, 9, 4, 5, 6];
+        // A match of four tokens wins over a later one of three.
+        let h = [1, 5, 6, 7, 8, 8, 3, 5, 6, 7, 9, 1, 5, 6, 7];
         assert_eq!(prompt_lookup(&h, 2), vec![8, 8]);
         // Bounded by the limit and by the history's end.
-        assert_eq!(prompt_lookup(&[1, 2, 3, 1, 2], 10), vec![3, 1, 2]);
-        assert_eq!(prompt_lookup(&[1, 2, 3, 1, 2], 0), Vec::<u32>::new());
-        // One token repeated is not a match; nothing found is no guess.
-        assert!(prompt_lookup(&[1, 2, 3, 4, 1], 4).is_empty());
+        assert_eq!(prompt_lookup(&[1, 2, 3, 4, 1, 2, 3], 10), vec![4, 1, 2, 3]);
+        assert_eq!(prompt_lookup(&[1, 2, 3, 4, 1, 2, 3], 0), Vec::<u32>::new());
+        // Two tokens repeated are not a match; nothing found is no guess.
+        assert!(prompt_lookup(&[1, 2, 3, 4, 1, 2], 4).is_empty());
         assert!(prompt_lookup(&[1, 2], 4).is_empty());
     }
 
     #[test]
     fn a_miss_drops_the_rest_of_the_guess_and_shortens_the_next() {
-        let mut s = Speculator::new(Speculation::PromptLookup, &[1, 2, 3, 4, 1, 2]);
-        assert_eq!(s.next_pass(8), vec![2, 3, 4, 1, 2]);
-        assert!(s.produced(3) && s.produced(4));
+        let mut s = Speculator::new(Speculation::PromptLookup, &[1, 2, 3, 4, 5, 1, 2, 3]);
+        s.length = MAX_DRAFT;
+        assert_eq!(s.next_pass(8), vec![3, 4, 5, 1, 2, 3]);
+        assert!(s.produced(4) && s.produced(5));
         assert!(!s.produced(7), "the guess was 1");
         assert!(s.produced(9), "after a miss nothing is outstanding");
         assert_eq!(s.stats.accepted, 2);
-        assert_eq!(s.stats.drafted, 4);
+        assert_eq!(s.stats.drafted, 5);
         assert_eq!(s.length, MAX_DRAFT / 2);
-        let mut off = Speculator::new(Speculation::Off, &[1, 2, 1, 2]);
-        assert_eq!(off.next_pass(8), vec![2]);
+        assert_eq!(s.skip, 0, "a guess that hit first is tried again at once");
+        // After "1 2 3" again: the latest match is followed by "4 5 7 9".
+        for t in [1, 2, 3] {
+            s.produced(t);
+        }
+        assert_eq!(s.next_pass(8), vec![3, 4, 5, 7, 9]);
+        assert!(!s.produced(6), "missed at its first token");
+        assert_eq!(s.skip, 1);
+        for t in [1, 2, 3] {
+            s.produced(t);
+        }
+        assert_eq!(s.next_pass(8), vec![3], "one pass without a guess");
+        assert_eq!(
+            s.next_pass(8),
+            vec![3, 6, 1],
+            "then a guess (its length halved twice)"
+        );
+        assert!(!s.produced(8));
+        assert_eq!(s.skip, 2, "twice as long after a second miss in a row");
+        let mut off = Speculator::new(Speculation::Off, &[1, 2, 3, 1, 2, 3]);
+        assert_eq!(off.next_pass(8), vec![3]);
     }
 
     #[test]

@@ -363,7 +363,7 @@ fn guessing_tokens_ahead_changes_no_token_and_no_bit() {
     }
     // Both paths ran: guesses kept, and guesses dropped with the caches rewound past them.
     assert!(
-        accepted > 20 && missed > 20,
+        accepted > 20 && missed > 10,
         "accepted {accepted}, missed {missed}"
     );
 }

@@ -122,13 +122,53 @@ pub fn bench_speculative(global: &Global, a: &BenchSpeculativeArgs) -> Result<Ex
             }));
         }
     }
+    let costs = pass_costs(&l.model, &gemm, &tokenizer.encode(TASKS[0].1, false)?)?;
+    if !a.json {
+        let line: Vec<String> = costs
+            .iter()
+            .map(|(rows, ms)| format!("{rows} rows {ms:.2} ms ({:.2}×)", ms / costs[0].1))
+            .collect();
+        println!("a pass after the prompt: {}", line.join(", "));
+    }
     if a.json {
+        let costs: Vec<_> = costs
+            .iter()
+            .map(|(rows, ms)| json!({"rows": rows, "ms": ms}))
+            .collect();
         println!(
             "{}",
-            json!({"model": l.model.path(), "threads": gemm.threads(), "results": results})
+            json!({"model": l.model.path(), "threads": gemm.threads(), "results": results,
+                   "pass_costs": costs})
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What a pass of 1 to `1 + MAX_DRAFT` rows costs after `prompt` (the token just sampled and
+/// a guess of the rest): median milliseconds of 15, the passes of each size in turn.
+fn pass_costs(
+    model: &dc_model::Model,
+    gemm: &dc_kernels::Gemm,
+    prompt: &[u32],
+) -> Result<Vec<(usize, f64)>> {
+    let sizes = [1, 2, 3, 5, 1 + dc_model::speculative::MAX_DRAFT];
+    let mut p = LocalPipeline::new(model, 1)?;
+    p.prefill(gemm, prompt, 64)?;
+    let at = p.len();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); sizes.len()];
+    for _ in 0..15 {
+        for (i, &rows) in sizes.iter().enumerate() {
+            p.rewind(at);
+            let s = Instant::now();
+            p.forward(gemm, &prompt[..rows.min(prompt.len())], true)?;
+            times[i].push(s.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(sizes
+        .iter()
+        .zip(&mut times)
+        .map(|(&rows, t)| (rows, median(t)))
+        .collect())
 }
 
 fn median(v: &mut [f64]) -> f64 {
