@@ -306,14 +306,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_cache_log_reads_across_chunks_and_copies_only_the_chunk_it_writes_into() {
-        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+    /// A two-layer model's config (its caches are all these tests need).
+    fn two_layers() -> ModelConfig {
+        ModelConfig::from_hf_json(&serde_json::json!({
             "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "vocab_size": 32, "max_position_embeddings": 512, "rms_norm_eps": 1e-5
         }))
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn the_cache_log_reads_across_chunks_and_copies_only_the_chunk_it_writes_into() {
+        let cfg = two_layers();
         let mut cache = KvCache::new(&cfg, 0..2);
         let mut log = CacheLog::default();
         fill(&cfg, &mut cache, 0, 100);
@@ -353,12 +358,7 @@ mod tests {
 
     #[test]
     fn a_hop_that_starts_inside_the_one_before_keeps_the_cut_rows_as_its_tail() {
-        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
-            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "vocab_size": 32, "max_position_embeddings": 512, "rms_norm_eps": 1e-5
-        }))
-        .unwrap();
+        let cfg = two_layers();
         let mut cache = KvCache::new(&cfg, 0..2);
         let mut log = CacheLog::default();
         fill(&cfg, &mut cache, 0, 70);

@@ -291,18 +291,7 @@ async fn run_attempt(
     delivered: &mut Delivered,
     fast_forward: bool,
 ) -> Result<GenerationEvent, Stop> {
-    let greq = GenerateRequest {
-        prompt: req.prompt.clone(),
-        max_new_tokens: req.max_new_tokens as usize,
-        sampling: sampling(req),
-        stop_tokens: req.stop_tokens.clone(),
-        chunk: req.chunk.max(1) as usize,
-        json: match req.json_output {
-            true => Some(d.node.token_texts().map_err(Stop::Failed)?),
-            false => None,
-        },
-        speculative: req.speculative,
-    };
+    let greq = local_request(d, req)?;
     let mut tl =
         TokenLoop::new(&greq, d.node.model_cfg.max_positions).map_err(|e| e.to_string())?;
     let replay = delivered.tokens.len();
@@ -381,17 +370,12 @@ async fn run_attempt(
                 .fetch_add(s.accepted as u64, Ordering::Relaxed);
             break why;
         }
-        // The next logits: re-derived from prefill, guessed in the last lap, or a lap of the
-        // token just sampled (at the position after the row it came from) and a guess.
+        // The next logits: re-derived from prefill, guessed in the last lap, or a new lap.
         (at_pos, logits) = match derived.pop_front() {
             Some(row) => row,
             None => {
                 let left = greq.max_new_tokens - tl.tokens.len();
-                let room = draft_room(left, d.node.model_cfg.max_positions, at_pos);
-                let tokens = spec.next_pass(room);
-                let guessed = tokens.len() > 1;
-                let start = at_pos + 1;
-                derived = lap(d, at, step, tokens, start, start, guessed).await?;
+                derived = guessing_lap(d, at, step, &mut spec, at_pos, left).await?;
                 step += 1;
                 derived
                     .pop_front()
@@ -407,6 +391,22 @@ async fn run_attempt(
         tokens: tl.tokens.clone(),
         stop,
         final_logits: logits_commitment(at_pos, &logits),
+    })
+}
+
+/// `req` as the sampling loop takes it (the one a local run uses).
+fn local_request(d: &Daemon, req: &GenerationRequest) -> Result<GenerateRequest, Stop> {
+    Ok(GenerateRequest {
+        prompt: req.prompt.clone(),
+        max_new_tokens: req.max_new_tokens as usize,
+        sampling: sampling(req),
+        stop_tokens: req.stop_tokens.clone(),
+        chunk: req.chunk.max(1) as usize,
+        json: match req.json_output {
+            true => Some(d.node.token_texts().map_err(Stop::Failed)?),
+            false => None,
+        },
+        speculative: req.speculative,
     })
 }
 
@@ -446,6 +446,23 @@ async fn prefill(
         pos = end;
     }
     Ok(rows)
+}
+
+/// Lap `step`: the token just sampled from the row at `at_pos`, at the position after it, and
+/// `spec`'s guess of the tokens after that (with `left` tokens still to produce); the logits
+/// of every row, each with its position.
+async fn guessing_lap(
+    d: &Daemon,
+    at: &mut Attempt,
+    step: u64,
+    spec: &mut Speculator,
+    at_pos: usize,
+    left: usize,
+) -> Result<VecDeque<(usize, Vec<f32>)>, Stop> {
+    let room = draft_room(left, d.node.model_cfg.max_positions, at_pos);
+    let tokens = spec.next_pass(room);
+    let guessed = tokens.len() > 1;
+    lap(d, at, step, tokens, at_pos + 1, at_pos + 1, guessed).await
 }
 
 /// Embeds `tokens` at `pos`, runs them through the route as hop `step` (`guessed`: tokens
