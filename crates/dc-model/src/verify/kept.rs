@@ -200,7 +200,8 @@ impl KeptHop {
     /// that position of each product needed (the context, cache and hidden rows by root and
     /// path only, but for the context's and the hidden row's values when a check takes them as
     /// the next product's input), and, when the attention is recomputed, the layer's cache rows
-    /// from `cache_from` (at most the hop's first position) to the end of the hop, from `log`.
+    /// of every hop from the one starting at `cache_from` (at most this hop's first position)
+    /// through this one, each hop's whole (its cut tail too), from `log`.
     pub fn reveal(
         &self,
         layer: usize,

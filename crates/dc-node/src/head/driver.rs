@@ -7,8 +7,10 @@
 //! ```
 //!
 //! Each attempt plans a route (`plan.rs`), runs the prompt and then one token per lap through
-//! it (`attempt.rs`, each hop checked by `hop.rs`), samples with the request's seeded sampler,
-//! and streams each new token to the client. At its end the attempt's spot checks and audits
+//! it (`attempt.rs`, each hop checked by `hop.rs`), with a guess of the tokens after it when
+//! the request speculates (the next lap starts where the sampler stopped agreeing with the
+//! guess), samples with the request's seeded sampler, and streams each new token to the
+//! client. At its end the attempt's spot checks and audits
 //! are awaited: a lie they prove still changes what the client gets. Tokens the client already
 //! holds are recomputed silently on a later attempt; if they come out differently, one
 //! `Corrected` event says so.
