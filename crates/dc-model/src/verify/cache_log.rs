@@ -2,6 +2,7 @@
 //! test that revealed cache rows are exactly the ones each hop committed.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use dc_kernels::verify::commit::LeafBatch;
@@ -32,7 +33,7 @@ pub struct CacheLog {
     /// The rows of a hop past the start of the hop after it (a speculative pass whose guess
     /// missed: the next hop starts inside it and overwrites them), per hop index, per layer.
     /// Gone from the cache, but a check of the hop's commitment needs every row it committed.
-    tails: Vec<(usize, Vec<Vec<u8>>)>,
+    tails: BTreeMap<usize, Vec<Vec<u8>>>,
 }
 
 impl CacheLog {
@@ -68,7 +69,7 @@ impl CacheLog {
                                 .unwrap_or_default()
                         })
                         .collect();
-                    self.tails.push((i, tail));
+                    self.tails.insert(i, tail);
                     self.truncate(start);
                 }
                 _ => {
@@ -136,7 +137,7 @@ impl CacheLog {
             if start < from || start >= end {
                 continue;
             }
-            let tail = self.tails.iter().find(|(t, _)| *t == i).map(|(_, t)| &t[k]);
+            let tail = self.tails.get(&i).map(|t| &t[k]);
             let cut = tail.map_or(0, |t| t.len() / self.row_bytes.max(1));
             out.extend(self.rows_between(layer, start, start + rows - cut)?);
             if let Some(t) = tail {
@@ -158,7 +159,7 @@ impl CacheLog {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        let tails: usize = self.tails.iter().flat_map(|(_, t)| t).map(Vec::len).sum();
+        let tails: usize = self.tails.values().flatten().map(Vec::len).sum();
         self.rows.iter().flatten().map(|c| c.len()).sum::<usize>() + tails
     }
 
