@@ -9,7 +9,8 @@ The config gives `api` (the control API's base URL), `model` (the name /v1/model
 `chat_messages` and `chat_prompt_ids` (those messages rendered with the model's chat template
 and tokenized by the Rust side, so that a chat completion can be compared with a completion of
 exactly those ids). Prints one JSON summary on stdout and exits 1 if any check failed, 2 on
-bad usage, 3 if the `openai` package is missing.
+bad usage, 3 if the `openai` or `jsonschema` package is missing. The JSON schema checks
+validate with `jsonschema`, an implementation of JSON Schema that is not dcd's.
 """
 
 import json
@@ -17,10 +18,11 @@ import sys
 import traceback
 
 try:
+    import jsonschema
     import openai
     from openai import OpenAI
-except ImportError:
-    print(json.dumps({"ok": False, "error": "the Python package openai is not installed"}))
+except ImportError as e:
+    print(json.dumps({"ok": False, "error": f"a Python package is not installed: {e.name}"}))
     sys.exit(3)
 
 
@@ -327,6 +329,99 @@ def main():
                                response_format={"type": "json_object"}, max_tokens=64, temperature=0)[0]
         c.check("json_object when streaming", streamed == results[0][2], (streamed, results[0][2]))
 
+    def json_schema():
+        # Schema mode on real prompts, each with its own schema: every answer validates
+        # (checked by the jsonschema package), greedy or seeded, roomy or on a tight budget.
+        s, i, n, b, arr = ({"type": "string"}, {"type": "integer"}, {"type": "number"},
+                           {"type": "boolean"}, lambda it, **k: {"type": "array", "items": it, **k})
+
+        def obj(props, required=None, **k):
+            return {"type": "object", "properties": props,
+                    "required": list(props) if required is None else required, **k}
+
+        asks = [
+            ("Give me a JSON object describing a cat with name and age.", obj({"name": s, "age": i})),
+            ("Return the city and country of the Eiffel Tower as JSON.",
+             obj({"city": s, "country": s}, additionalProperties=False)),
+            ("List three fruits as JSON.", obj({"fruits": arr(s, minItems=3, maxItems=3)})),
+            ("Describe a book (title, author, year) in JSON.", obj({"title": s, "author": s, "year": i})),
+            ("Make a JSON user profile with an email address.",
+             obj({"email": s, "verified": b, "age": {"type": ["integer", "null"]}}, ["email", "verified"])),
+            ("Output the weather for today as JSON.",
+             obj({"temperature": n, "condition": {"enum": ["sunny", "cloudy", "rainy", "snowy"]}})),
+            ("Write the first five prime numbers as JSON.", obj({"primes": arr(i, minItems=5, maxItems=5)})),
+            ("Create a JSON recipe for pancakes.",
+             obj({"name": s, "ingredients": arr(obj({"item": s, "amount": s}), minItems=1),
+                  "steps": arr(s)}, ["name", "ingredients"])),
+            ("Give three colours with their hex codes as JSON.",
+             arr(obj({"name": s, "hex": s}), minItems=3, maxItems=3)),
+            ("Describe a car as JSON: make, model, electric or not.",
+             obj({"make": s, "model": s, "electric": b})),
+            ("Summarise the planet Mars as JSON.",
+             obj({"name": {"const": "Mars"}, "moons": i, "habitable": b, "distance_km": n}, ["name", "moons"])),
+            ("Give a company with a nested address as JSON.",
+             obj({"name": s, "address": obj({"street": s, "city": s, "zip": s})})),
+            ("Count the vowels in the word banana, as JSON.", obj({v: i for v in "aeiou"})),
+            ("Encode a shopping list with quantities as JSON.",
+             obj({"items": arr(obj({"name": s, "quantity": i}), minItems=2, maxItems=4)})),
+            ("Describe a movie with a rating out of 10 as JSON.",
+             obj({"title": s, "rating": n, "genres": arr({"enum": ["drama", "comedy", "action", "horror"]})},
+                 ["title", "rating"])),
+            ("Say hello in French, Spanish and German as JSON.", obj({"french": s, "spanish": s, "german": s})),
+            ("Give a point in 3D space as JSON.", obj({"x": n, "y": n, "z": n})),
+            ("Make a to-do item as JSON with a done flag and a due date or null.",
+             obj({"task": s, "done": b, "due": {"type": ["string", "null"]}})),
+            ("Describe your favourite song as JSON.",
+             obj({"title": s, "artist": s, "tags": {"type": "object", "additionalProperties": s}}, ["title"])),
+            ("Write an HTTP response with its status and headers as JSON.",
+             obj({"status": {"enum": [200, 404, 500]}, "headers": {"type": "object", "additionalProperties": s}})),
+        ]
+        results = []
+        for k, (ask, schema) in enumerate(asks):
+            kw = dict(model=model, messages=[{"role": "user", "content": ask}],
+                      response_format={"type": "json_schema",
+                                       "json_schema": {"name": f"answer_{k}", "schema": schema, "strict": True}})
+            if k % 4 == 3:
+                kw.update(max_tokens=64, temperature=0)
+            elif k % 2:
+                kw.update(max_tokens=128, temperature=0.8, seed=k)
+            else:
+                kw.update(max_tokens=128, temperature=0)
+            a = client.chat.completions.create(**kw)
+            text = a.choices[0].message.content
+            try:
+                jsonschema.Draft202012Validator(schema).validate(json.loads(text))
+                ok = True
+            except (ValueError, jsonschema.ValidationError) as e:
+                ok = str(e)
+            results.append((ok, ask, text, a.usage.completion_tokens, kw["max_tokens"]))
+        c.check("json_schema: every answer validates", all(r[0] is True for r in results),
+                [r for r in results if r[0] is not True])
+        c.check("json_schema: within max_tokens", all(r[3] <= r[4] for r in results), results)
+        texts["json_schema"] = [r[2] for r in results]
+        ask, schema = asks[0]
+        fmt = {"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}}
+        streamed = chat_stream(client, model=model, messages=[{"role": "user", "content": ask}],
+                               response_format=fmt, max_tokens=128, temperature=0)[0]
+        c.check("json_schema when streaming", streamed == results[0][2], (streamed, results[0][2]))
+        try:
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "object", "anyOf": []}}})
+            c.check("json_schema: what cannot be enforced is refused", False, "no error")
+        except openai.BadRequestError as e:
+            c.check("json_schema: what cannot be enforced is refused",
+                    e.param == "response_format" and "anyOf" in str(e.body), e.body)
+        try:
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": asks[7][1]}})
+            c.check("json_schema: a budget too small for any document is refused", False, "no error")
+        except openai.BadRequestError as e:
+            c.check("json_schema: a budget too small for any document is refused",
+                    e.param == "max_tokens" and "shortest" in str(e.body), e.body)
+
     def errors():
         try:
             client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=2)
@@ -370,6 +465,7 @@ def main():
         ("seed", seeds),
         ("logprobs", logprobs),
         ("json_output", json_output),
+        ("json_schema", json_schema),
         ("errors", errors),
         ("client goes away", client_goes_away),
     ]:

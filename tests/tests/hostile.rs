@@ -460,7 +460,7 @@ fn forwarded(model_id: ModelId, max_new_tokens: u32) -> GenerationRequest {
         resume: vec![],
         speculative: dc_types::Speculation::Off,
         top_logprobs: None,
-        json_output: false,
+        output: dc_types::OutputFormat::Text,
     }
 }
 

@@ -88,22 +88,49 @@ fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
 }
 
 /// JSON output through the swarm (`api`) equals a local run of `model`, and is one JSON
-/// object, greedy and seeded, roomy and on a tight budget.
+/// object, greedy and seeded, roomy and on a tight budget, any object or one of a schema.
 fn assert_json_same_as_local(model: &Path, api: &str) {
     let m = model.to_str().unwrap();
-    for (t, seed, max_new) in [("0", "0", "48"), ("0.8", "3", "48"), ("0", "0", "7")] {
+    let dir = tempfile::tempdir().unwrap();
+    let schema_file = dir.path().join("cat.json");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "colour": {"enum": ["black", "white", "ginger"]},
+        },
+        "required": ["name", "age", "colour"],
+        "additionalProperties": false,
+    });
+    std::fs::write(&schema_file, schema.to_string()).unwrap();
+    let schema_arg = schema_file.to_str().unwrap();
+    for (t, seed, max_new, format) in [
+        ("0", "0", "48", "--json-output"),
+        ("0.8", "3", "48", "--json-output"),
+        ("0", "0", "7", "--json-output"),
+        ("0", "0", "64", "--json-schema"),
+        ("0.8", "5", "40", "--json-schema"),
+    ] {
+        let format: &[&str] = match format {
+            "--json-schema" => &["--json-schema", schema_arg],
+            _ => &["--json-output"],
+        };
         let args = [
-            "--prompt",
-            "Describe a cat as a JSON object with its name and age:",
-            "--json-output",
-            "--max-new-tokens",
-            max_new,
-            "--temperature",
-            t,
-            "--seed",
-            seed,
-        ];
-        let what = format!("{m}: JSON output, temperature {t}, seed {seed}, {max_new} tokens");
+            &[
+                "--prompt",
+                "Describe a cat as a JSON object with its name and age:",
+                "--max-new-tokens",
+                max_new,
+                "--temperature",
+                t,
+                "--seed",
+                seed,
+            ][..],
+            format,
+        ]
+        .concat();
+        let what = format!("{m}: {format:?}, temperature {t}, seed {seed}, {max_new} tokens");
         let swarm = generate_json(&[&["--api", api], &args[..]].concat());
         let local = generate_json(&[&["--model", m], &args[..]].concat());
         assert_eq!(swarm["tokens"], local["tokens"], "{what}");
@@ -116,6 +143,21 @@ fn assert_json_same_as_local(model: &Path, api: &str) {
             local["stop"], "stop",
             "{what}: the document ends the generation"
         );
+        if format[0] == "--json-schema" {
+            let keys: Vec<&str> = doc
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(|k| k.as_str())
+                .collect();
+            assert_eq!(keys.len(), 3, "{what}: exactly the listed keys: {text:?}");
+            assert!(doc["name"].is_string(), "{what}: {text:?}");
+            assert!(doc["age"].is_i64(), "{what}: {text:?}");
+            assert!(
+                ["black", "white", "ginger"].contains(&doc["colour"].as_str().unwrap_or("")),
+                "{what}: {text:?}"
+            );
+        }
     }
 }
 

@@ -390,6 +390,13 @@ fn verify_all_releases_only_checked_tokens() {
     let (a, _b, l) = swarm_with_liar(dir.path(), &model, &["--audit-rate", "1"], "flip-bit:0.5");
     // A second honest peer for 2..4, so every hop still has a second peer once the liar is out.
     let b2 = second_honest(dir.path(), &model, &a);
+    // Greedy on the prompt that repeats itself: the head guesses, and the paired recomputation
+    // of every hop runs the guessed rows too.
+    let got = through(&a.api, &["--verify", "all"], "24", "0", "0");
+    assert_eq!(got["tokens"], local(&model, "24", "0", "0")["tokens"]);
+    assert_eq!(got["corrections"], serde_json::json!([]), "{got}");
+    let guessed = a.status()["tokens_guessed"].as_u64().unwrap();
+    assert!(guessed > 0, "the head guessed no token under --verify all");
     let got = through(&a.api, &["--verify", "all"], "24", "9", "0.9");
     let want = local(&model, "24", "9", "0.9");
     assert_eq!(got["tokens"], want["tokens"]);

@@ -44,6 +44,7 @@ pub const TARGETS: &[Target] = &[
     ("chat_template", text::chat_template),
     ("config_file", text::config_file),
     ("swarm_key", text::swarm_key),
+    ("json_schema", text::json_schema),
     ("fraud_proof", proof::fraud_proof),
     ("openai_body", http::openai_body),
     ("control_body", http::control_body),

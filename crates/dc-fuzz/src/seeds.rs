@@ -134,7 +134,9 @@ fn generation_request() -> GenerationRequest {
         resume: vec![5],
         speculative: dc_types::Speculation::PromptLookup,
         top_logprobs: Some(3),
-        json_output: false,
+        output: dc_types::OutputFormat::JsonSchema(
+            r#"{"type":"object","properties":{"a":{"enum":[1,10]},"b":{"type":"array","items":{"type":"string"}}},"required":["a"]}"#.into(),
+        ),
     }
 }
 
@@ -364,6 +366,14 @@ fn file_and_body_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "swarm_key",
             b"/key/swarm/psk/1.0.0/\n/base16/\n00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n".to_vec(),
+        ),
+        (
+            "json_schema",
+            br#"{"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}, "kind": {"enum": ["a", "ab", 1, 10]}, "tags": {"type": "array", "items": {"type": ["number", "null"]}, "minItems": 1}}, "required": ["name", "kind"], "additionalProperties": {"type": "boolean"}}"#
+                .iter()
+                .chain(b"\0{\"name\": \"x\\u00e9\", \"kind\": 10, \"tags\": [1.5e3, null], \"zz\": true}")
+                .copied()
+                .collect(),
         ),
         ("fraud_proof", with_selector(0, &serde_json::to_vec(&proof).expect("JSON"))),
         ("fraud_proof", with_selector(1, &encoded(&proof))),

@@ -1,9 +1,11 @@
 //! Text a user or a model file hands the daemon: the tokenizer's input, a chat template, the
-//! config file (with `DCD_*` variables) and a swarm key file.
+//! config file (with `DCD_*` variables), a swarm key file and a JSON schema for the output.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use dc_model::json_output::JsonState;
+use dc_model::json_schema::Schema;
 use dc_model::tokenizer::{ChatMessage, ChatTemplate, StreamDecoder};
 use dc_net::SwarmKey;
 use dcd::config::{resolve, ConfigFile, Flags};
@@ -109,5 +111,35 @@ pub fn swarm_key(data: &[u8]) {
     if let Ok(key) = parsed {
         let again = SwarmKey::parse(&key.to_file_text()).expect("a written key parses");
         assert_eq!(again.as_bytes(), key.as_bytes());
+    }
+}
+
+/// A JSON schema a request carries (up to the first NUL byte), then text run through the
+/// recogniser it compiles to: every accepted prefix must close, with exactly the closing whose
+/// length the budget counts, into a complete document.
+pub fn json_schema(data: &[u8]) {
+    let (schema, text) = match data.iter().position(|&b| b == 0) {
+        Some(i) => (&data[..i], &data[i + 1..]),
+        None => (data, &[][..]),
+    };
+    let Ok(schema) = Schema::from_text(&String::from_utf8_lossy(schema)) else {
+        return;
+    };
+    let mut state = JsonState::new();
+    for ch in String::from_utf8_lossy(text).chars().take(4096) {
+        let mut buf = [0; 4];
+        let Some(next) = state.push_all(&schema, ch.encode_utf8(&mut buf).as_bytes()) else {
+            continue;
+        };
+        state = next;
+        let closing = state.closing(&schema);
+        assert_eq!(closing.len(), state.closing_len(&schema), "{state:?}");
+        let closed = state
+            .push_all(&schema, &closing)
+            .expect("the closing is accepted");
+        assert!(closed.is_complete(), "the closing leaves {closed:?}");
+        if state.is_complete() {
+            break;
+        }
     }
 }

@@ -2,9 +2,12 @@
 //! request-response, gossip, the generation stream's request and events), each followed by the
 //! checks a daemon runs on what it decoded.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use dc_model::generate::{GenerateRequest, TokenLoop};
+use dc_model::json_output::{JsonOutput, TokenTexts};
+use dc_model::json_schema::Schema;
 use dc_node::core::view::SwarmView;
 use dc_node::core::wire::from_wire;
 use dc_node::head::bounds::EventBounds;
@@ -108,7 +111,8 @@ pub fn gossip(data: &[u8]) {
 }
 
 /// A generation request a head receives from another peer; what it accepts is run through the
-/// sampling loop the head would run it with, on logits the input also chooses.
+/// sampling loop the head would run it with (its JSON schema compiled over a vocabulary of
+/// printable characters), on logits the input also chooses.
 pub fn generation_request(data: &[u8]) {
     let Some(req) = crate::decode_and_reencode::<GenerationRequest>(data) else {
         return;
@@ -119,7 +123,7 @@ pub fn generation_request(data: &[u8]) {
         sampling: dc_node::head::sampling(&req),
         stop_tokens: req.stop_tokens.clone(),
         chunk: req.chunk.max(1) as usize,
-        json: None,
+        json: json_output(&req.output),
         speculative: dc_model::speculative::Speculation::Off,
     };
     let Ok(mut tl) = TokenLoop::new(&greq, POSITIONS) else {
@@ -136,6 +140,13 @@ pub fn generation_request(data: &[u8]) {
             _ => break,
         }
     }
+}
+
+/// The JSON output `format` asks for over 512 tokens, each a printable ASCII character.
+fn json_output(format: &dc_types::OutputFormat) -> Option<JsonOutput> {
+    let schema = Schema::for_format(format).ok()??;
+    let texts = (0..512u32).map(|i| char::from(b' ' + (i % 95) as u8).to_string());
+    JsonOutput::new(Arc::new(TokenTexts::from_texts(texts)), Arc::new(schema)).ok()
 }
 
 /// The events a head streams back, in order, through the bounds the requester keeps. The

@@ -1,7 +1,8 @@
 //! What JSON output costs at the head, next to the model's own decode step, in the same run:
 //! reading every token's text once per model, and one position's check of the whole
-//! vocabulary against the document so far (at the start, inside a string, after a value and
-//! inside a number). SmolLM2-135M (vocabulary 49 152), one thread.
+//! vocabulary against the document so far (at the start, inside a string, after a value,
+//! inside a number, and with a schema inside a key and an enum). SmolLM2-135M (vocabulary
+//! 49 152), one thread.
 //! `cargo bench -p dc-model --bench json_output` (needs `scripts/fetch-model.sh`).
 
 #![allow(clippy::unwrap_used)] // a benchmark: a panic is the failure report
@@ -11,7 +12,8 @@ use std::time::Instant;
 
 use dc_kernels::{Gemm, Kernel};
 use dc_model::generate::LocalPipeline;
-use dc_model::json_output::{JsonConstraint, TokenTexts};
+use dc_model::json_output::{JsonConstraint, JsonOutput, TokenTexts};
+use dc_model::json_schema::Schema;
 use dc_model::tokenizer::load_for_model;
 use dc_model::{LoadOptions, Model};
 
@@ -53,21 +55,41 @@ fn main() {
         "one decode step of the model: {decode_ms:.2} ms (1 thread, {:?})",
         Kernel::best()
     );
-    println!("| document so far | check of the whole vocabulary | share of a decode step |");
-    println!("|---|---|---|");
-    for (what, prefix) in [
-        ("nothing", ""),
-        ("inside a string", "{\"name\": \"Fel"),
-        ("after a value", "{\"name\": \"Felix\""),
-        ("inside a number", "{\"age\": 12"),
+    let any = Arc::new(Schema::any_object());
+    let cat = Arc::new(
+        Schema::from_text(
+            r#"{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                "nickname": {"type": "string"}, "colour": {"enum": ["black", "white", "ginger", "grey"]}},
+                "required": ["name", "age", "colour"]}"#,
+        )
+        .unwrap(),
+    );
+    println!(
+        "| schema | document so far | check of the whole vocabulary | share of a decode step |"
+    );
+    println!("|---|---|---|---|");
+    for (label, schema, what, prefix) in [
+        ("any object", &any, "nothing", ""),
+        ("any object", &any, "inside a string", "{\"name\": \"Fel"),
+        ("any object", &any, "after a value", "{\"name\": \"Felix\""),
+        ("any object", &any, "inside a number", "{\"age\": 12"),
+        ("a cat", &cat, "nothing", ""),
+        ("a cat", &cat, "inside a key", "{\"n"),
+        ("a cat", &cat, "inside a string", "{\"name\": \"Fel"),
+        ("a cat", &cat, "after a value", "{\"name\": \"Felix\""),
+        ("a cat", &cat, "inside an enum", "{\"colour\": \"g"),
     ] {
-        let mut c = JsonConstraint::new(texts.clone());
+        let output = JsonOutput::new(texts.clone(), schema.clone()).expect("JSON output");
+        let mut c = JsonConstraint::new(output);
         for id in tok.encode(prefix, false).unwrap() {
             c.push(id).expect("a valid prefix");
         }
         let ms = median_ms(15, || {
             std::hint::black_box(c.allowed(vocab, 64).unwrap());
         });
-        println!("| {what} | {ms:.2} ms | {:.1} % |", ms / decode_ms * 100.0);
+        println!(
+            "| {label} | {what} | {ms:.2} ms | {:.1} % |",
+            ms / decode_ms * 100.0
+        );
     }
 }

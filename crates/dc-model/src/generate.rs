@@ -9,7 +9,7 @@ use dc_kernels::Gemm;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
-use crate::json_output::{JsonConstraint, TokenTexts};
+use crate::json_output::{JsonConstraint, JsonOutput};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::sampling::{sample_constrained, SamplingParams};
@@ -40,8 +40,8 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Prefill chunk size (positions per pass through the stages).
     pub chunk: usize,
-    /// Constrain the output to one JSON object, with these token texts (none: free text).
-    pub json: Option<std::sync::Arc<TokenTexts>>,
+    /// Constrain the output to one JSON document of a schema (none: free text).
+    pub json: Option<JsonOutput>,
     /// Whether to guess tokens ahead (the tokens are the same either way).
     pub speculative: Speculation,
 }
@@ -181,6 +181,15 @@ impl TokenLoop {
                 req.prompt.len(),
                 max_positions
             )));
+        }
+        if let Some(need) = req.json.as_ref().map(JsonOutput::shortest_document_len) {
+            if need > req.max_new_tokens {
+                return Err(ModelError::Input(format!(
+                    "JSON output: {} new tokens cannot hold the shortest document ({need} \
+                     characters, which may need one token each)",
+                    req.max_new_tokens
+                )));
+            }
         }
         Ok(TokenLoop {
             prompt: req.prompt.clone(),

@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod hf;
 pub mod identity;
 pub mod json_output;
+pub mod json_schema;
 pub mod kv_cache;
 pub mod model;
 pub mod open;

@@ -45,7 +45,9 @@ pub use wire::{decode, encode, WireError};
 ///    carry each hop's rows whole, the cut ones too, so that every hop's commitment can be
 ///    checked; a generation request says whether its head guesses (`speculative`). Hop
 ///    records and commitments are protocol 9's.
-pub const PROTOCOL_VERSION: u32 = 12;
+/// 13: a generation request's output format (`OutputFormat`) is text, any JSON object, or a
+///    JSON document of a schema it carries; hop records and commitments are protocol 9's.
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an

@@ -454,6 +454,22 @@ pub struct WireSampling {
     pub seed: u64,
 }
 
+/// What the new text must be.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OutputFormat {
+    /// Any text.
+    #[default]
+    Text,
+    /// One JSON object.
+    JsonObject,
+    /// One JSON document that validates against this JSON schema (its text, at most
+    /// [`MAX_SCHEMA_BYTES`]; the head compiles it, and refuses what it cannot enforce).
+    JsonSchema(String),
+}
+
+/// Longest JSON schema a generation request may carry.
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+
 /// Whether the head guesses tokens ahead.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -510,8 +526,8 @@ pub struct GenerationRequest {
     /// With each new token, its log-probability and those of this many most likely tokens
     /// (none: no log-probabilities; at most [`MAX_TOP_LOGPROBS`]).
     pub top_logprobs: Option<u8>,
-    /// Constrain the output to one JSON object (the head needs the model's tokenizer).
-    pub json_output: bool,
+    /// Free text, or JSON constrained at the head (which needs the model's tokenizer).
+    pub output: OutputFormat,
     /// Whether the head guesses tokens ahead and checks each guess in the same lap (the tokens
     /// are the same either way).
     pub speculative: Speculation,

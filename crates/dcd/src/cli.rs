@@ -298,6 +298,10 @@ pub struct GenerateArgs {
     /// Constrain the output to one JSON object (it ends the generation once complete).
     #[arg(long)]
     pub json_output: bool,
+    /// Constrain the output to one JSON document of the JSON schema in FILE (objects, arrays,
+    /// strings, numbers, booleans, enums and required keys; implies --json-output).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
     /// Guess tokens ahead by prompt lookup and check each guess in the same pass (the tokens
     /// are the same either way) [env: DCD_SPECULATIVE; default: prompt-lookup; with --api: the
     /// daemon's].

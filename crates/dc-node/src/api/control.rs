@@ -15,7 +15,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::StreamDecoder;
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, VerifyMode, MAX_TOP_LOGPROBS};
+use dc_types::{
+    GenerationEvent, GenerationId, GenerationRequest, OutputFormat, VerifyMode, MAX_TOP_LOGPROBS,
+};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -61,6 +63,8 @@ pub struct GenerateBody {
     /// Constrain the output to one JSON object.
     #[serde(default)]
     pub json_output: bool,
+    /// Constrain the output to one JSON document of this schema (JSON output implied).
+    pub json_schema: Option<serde_json::Value>,
     /// Prefill chunk size.
     pub chunk: Option<u32>,
     /// `"prompt-lookup"` or `"off"` (default: the daemon's `speculative`).
@@ -157,6 +161,12 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
             "top_logprobs {n} is too many: at most {MAX_TOP_LOGPROBS}"
         ));
     }
+    let output = match (&b.json_schema, b.json_output) {
+        (Some(schema), _) => super::json_schema_output(schema)?,
+        (None, true) => OutputFormat::JsonObject,
+        (None, false) => OutputFormat::Text,
+    };
+    super::check_output_budget(&output, b.max_new_tokens, "max_new_tokens")?;
     Ok(GenerationRequest {
         model_id: served.model_id,
         generation: GenerationId::new_random(),
@@ -175,7 +185,7 @@ pub fn to_request(served: &Served, b: GenerateBody) -> Result<GenerationRequest,
         verify,
         resume: Vec::new(),
         top_logprobs: b.top_logprobs,
-        json_output: b.json_output,
+        output,
         speculative: b.speculative.unwrap_or(served.speculative),
     })
 }

@@ -28,7 +28,9 @@ use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use dc_model::sampling::{Penalties, SamplingParams};
 use dc_model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-use dc_types::{GenerationEvent, GenerationId, GenerationRequest, TokenLogprobs, MAX_TOP_LOGPROBS};
+use dc_types::{
+    GenerationEvent, GenerationId, GenerationRequest, OutputFormat, TokenLogprobs, MAX_TOP_LOGPROBS,
+};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
@@ -367,7 +369,7 @@ struct Params {
     max_tokens: u32,
     sampling: SamplingParams,
     top_logprobs: Option<u8>,
-    json_output: bool,
+    output: OutputFormat,
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
@@ -449,7 +451,9 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
         },
     };
     let top_logprobs = logprobs_asked(f, endpoint)?;
-    let json_output = json_output_asked(f.take::<Value>("response_format")?)?;
+    let output = output_asked(f.take::<Value>("response_format")?)?;
+    super::check_output_budget(&output, max_tokens, name)
+        .map_err(|e| ApiError::invalid(name, e))?;
     let stop = stop_strings(f.take::<Value>("stop")?)?;
     let stream = f.take::<bool>("stream")?.unwrap_or(false);
     let ignore_eos = f.take::<bool>("ignore_eos")?.unwrap_or(false);
@@ -483,7 +487,7 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
         max_tokens,
         sampling,
         top_logprobs,
-        json_output,
+        output,
         stop,
         stream,
         include_usage,
@@ -491,22 +495,33 @@ fn params(served: &Served, f: &mut Fields, endpoint: Endpoint) -> Result<Params,
     })
 }
 
-/// Whether `response_format` asks for JSON output: `{"type": "json_object"}` (one JSON object)
-/// or `{"type": "text"}` (the default). Completions take it too, as vLLM's do.
-fn json_output_asked(format: Option<Value>) -> Result<bool, ApiError> {
+/// What `response_format` asks for: `{"type": "text"}` (the default), `{"type":
+/// "json_object"}` (one JSON object) or `{"type": "json_schema", "json_schema": {"name": ...,
+/// "schema": {...}}}` (a document of that schema). Completions take it too, as vLLM's do.
+fn output_asked(format: Option<Value>) -> Result<OutputFormat, ApiError> {
     let Some(format) = format.filter(|v| !v.is_null()) else {
-        return Ok(false);
+        return Ok(OutputFormat::Text);
     };
     match format.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(false),
-        Some("json_object") => Ok(true),
-        Some("json_schema") => Err(ApiError::unsupported(
-            "response_format",
-            "json_schema is not implemented yet; {\"type\": \"json_object\"} gives one JSON object",
-        )),
+        Some("text") => Ok(OutputFormat::Text),
+        Some("json_object") => Ok(OutputFormat::JsonObject),
+        Some("json_schema") => {
+            let schema = format
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "response_format",
+                        "response_format.json_schema.schema is missing: {\"type\": \"json_schema\", \
+                         \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                    )
+                })?;
+            super::json_schema_output(schema).map_err(|e| ApiError::invalid("response_format", e))
+        }
         _ => Err(ApiError::invalid(
             "response_format",
-            "response_format must be {\"type\": \"text\"} or {\"type\": \"json_object\"}",
+            "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or \
+             {\"type\": \"json_schema\", ...}",
         )),
     }
 }
@@ -874,7 +889,7 @@ fn request(
         verify: dc_types::VerifyMode::Sampled(served.audit_rate),
         resume: Vec::new(),
         top_logprobs: p.top_logprobs,
-        json_output: p.json_output,
+        output: p.output.clone(),
         speculative: served.speculative,
     })
 }
@@ -1640,24 +1655,44 @@ mod tests {
     }
 
     #[test]
-    fn response_format_asks_for_json_objects_only() {
-        assert_eq!(json_output_asked(None).ok(), Some(false));
-        assert_eq!(json_output_asked(Some(Value::Null)).ok(), Some(false));
+    fn response_format_asks_for_text_an_object_or_a_schema() {
+        assert_eq!(output_asked(None).ok(), Some(OutputFormat::Text));
         assert_eq!(
-            json_output_asked(Some(json!({"type": "text"}))).ok(),
-            Some(false)
+            output_asked(Some(Value::Null)).ok(),
+            Some(OutputFormat::Text)
         );
         assert_eq!(
-            json_output_asked(Some(json!({"type": "json_object"}))).ok(),
-            Some(true)
+            output_asked(Some(json!({"type": "text"}))).ok(),
+            Some(OutputFormat::Text)
         );
-        let e = json_output_asked(Some(json!({"type": "json_schema", "json_schema": {}})))
-            .expect_err("no schemas yet");
-        assert_eq!(e.param.as_deref(), Some("response_format"));
-        assert!(e.body().to_string().contains("unsupported_parameter"));
-        for bad in [json!({"type": "xml"}), json!("json_object"), json!({})] {
-            let e = json_output_asked(Some(bad)).expect_err("not a format");
+        assert_eq!(
+            output_asked(Some(json!({"type": "json_object"}))).ok(),
+            Some(OutputFormat::JsonObject)
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+        assert_eq!(
+            output_asked(Some(
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            ))
+            .ok(),
+            Some(OutputFormat::JsonSchema(schema.to_string()))
+        );
+        for (bad, says) in [
+            (json!({"type": "xml"}), "must be"),
+            (json!("json_object"), "must be"),
+            (json!({}), "must be"),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+                "missing",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "oneOf": []}}}),
+                "oneOf",
+            ),
+        ] {
+            let e = output_asked(Some(bad)).expect_err("not a format");
             assert_eq!(e.param.as_deref(), Some("response_format"));
+            assert!(e.body().to_string().contains(says), "{}", e.body());
         }
     }
 

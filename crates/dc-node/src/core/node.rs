@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dc_kernels::Gemm;
-use dc_model::json_output::TokenTexts;
+use dc_model::json_output::{JsonOutput, TokenTexts};
+use dc_model::json_schema::Schema;
 use dc_model::tokenizer::{ChatTemplate, SpecialTokens, Tokenizer};
 use dc_model::{Model, ModelConfig};
 use dc_net::Client;
-use dc_types::{Gossip, LayerRange, ModelId, PeerState};
+use dc_types::{Gossip, LayerRange, ModelId, OutputFormat, PeerState};
 use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
 use tokio::sync::Semaphore;
@@ -172,6 +173,16 @@ pub struct NodeParts {
 }
 
 impl Node {
+    /// What JSON output `format` asks for needs (none: free text).
+    pub fn json_output(&self, format: &OutputFormat) -> Result<Option<JsonOutput>, String> {
+        let Some(schema) = Schema::for_format(format).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        JsonOutput::new(self.token_texts()?, Arc::new(schema))
+            .map(Some)
+            .map_err(|e| e.to_string())
+    }
+
     /// Every token's text, for JSON output (read from the tokenizer once).
     pub fn token_texts(&self) -> Result<Arc<TokenTexts>, String> {
         if let Some(t) = self.token_texts.get() {

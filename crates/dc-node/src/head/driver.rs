@@ -404,10 +404,7 @@ fn local_request(d: &Daemon, req: &GenerationRequest) -> Result<GenerateRequest,
         sampling: sampling(req),
         stop_tokens: req.stop_tokens.clone(),
         chunk: req.chunk.max(1) as usize,
-        json: match req.json_output {
-            true => Some(d.node.token_texts().map_err(Stop::Failed)?),
-            false => None,
-        },
+        json: d.node.json_output(&req.output).map_err(Stop::Failed)?,
         speculative: req.speculative,
     })
 }

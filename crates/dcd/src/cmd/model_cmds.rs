@@ -3,12 +3,15 @@
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use dc_kernels::elementwise::log_sum_exp;
 use dc_model::generate::{
     generate as run_generation, logits_commitment, GenerateRequest, LocalPipeline,
 };
+use dc_model::json_output::{JsonOutput, TokenTexts};
+use dc_model::json_schema::{Schema, MAX_SCHEMA_BYTES};
 use dc_model::sampling::{logprobs, Penalties, SamplingParams};
 use dc_model::tokenizer::{load_for_model, StreamDecoder};
 use safetensors::tensor::TensorView;
@@ -17,6 +20,25 @@ use serde_json::json;
 
 use super::local::{engine, load_model, model_path};
 use crate::cli::{GenerateArgs, Global, LogitsArgs, PerplexityArgs, TokenizeArgs};
+
+/// The JSON schema `--json-schema` names, read and parsed (none without the flag).
+pub(crate) fn read_json_schema(a: &GenerateArgs) -> Result<Option<serde_json::Value>> {
+    let Some(path) = &a.json_schema else {
+        return Ok(None);
+    };
+    let text = std::fs::read(path)
+        .with_context(|| format!("--json-schema {}: reading it", path.display()))?;
+    if text.len() > MAX_SCHEMA_BYTES {
+        bail!(
+            "--json-schema {}: {} bytes, at most {MAX_SCHEMA_BYTES}",
+            path.display(),
+            text.len()
+        );
+    }
+    serde_json::from_slice(&text)
+        .map(Some)
+        .with_context(|| format!("--json-schema {}: not JSON", path.display()))
+}
 
 pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
     let gemm = engine(global)?;
@@ -48,11 +70,16 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
             l.special.eos.clone()
         },
         chunk: a.chunk,
-        json: match a.json_output {
-            true => Some(std::sync::Arc::new(dc_model::json_output::TokenTexts::new(
-                l.tokenizer()?,
-            )?)),
-            false => None,
+        json: match (read_json_schema(a)?, a.json_output) {
+            (None, false) => None,
+            (schema, _) => {
+                let schema = match schema {
+                    Some(v) => Schema::parse(&v)?,
+                    None => Schema::any_object(),
+                };
+                let texts = Arc::new(TokenTexts::new(l.tokenizer()?)?);
+                Some(JsonOutput::new(texts, Arc::new(schema))?)
+            }
         },
         speculative: global.speculative,
     };

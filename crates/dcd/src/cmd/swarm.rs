@@ -166,6 +166,9 @@ fn generate_body(a: &GenerateArgs) -> Result<Value> {
     if a.json_output {
         body["json_output"] = json!(true);
     }
+    if let Some(schema) = super::model_cmds::read_json_schema(a)? {
+        body["json_schema"] = schema;
+    }
     if let Some(v) = &a.verify {
         body["verify"] = json!(v);
     }
