@@ -194,6 +194,48 @@ fn fraud_proof() -> dc_types::FraudProof {
 }
 
 /// The wire messages' seeds.
+/// A two-file model's manifest: a header and a small file, and two tensors.
+fn manifest() -> dc_model::manifest::Manifest {
+    use dc_model::manifest::{Manifest, ManifestFile, Piece, PieceTensor, MANIFEST_VERSION};
+    let tensor = |name: &str, layer| PieceTensor {
+        name: name.into(),
+        dtype: "Q8_0".into(),
+        shape: vec![64, 32],
+        layer,
+    };
+    let piece = |file, offset, len, tensor| Piece {
+        file,
+        offset,
+        len,
+        hash: [5; 32],
+        tensor,
+    };
+    Manifest {
+        version: MANIFEST_VERSION,
+        files: vec![
+            ManifestFile {
+                name: "config.json".into(),
+                len: 100,
+            },
+            ManifestFile {
+                name: "model.safetensors".into(),
+                len: 5000,
+            },
+        ],
+        pieces: vec![
+            piece(0, 0, 100, None),
+            piece(1, 0, 200, None),
+            piece(
+                1,
+                200,
+                2176,
+                Some(tensor("model.layers.0.mlp.up_proj.weight", Some(0))),
+            ),
+            piece(1, 2376, 2176, Some(tensor("lm_head.weight", None))),
+        ],
+    }
+}
+
 fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let hop = HopRequest {
         model_id: ModelId(Commitment([7; 32])),
@@ -281,6 +323,27 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "stage_response",
             encoded(&StageResponse::Proof(Box::new(Some(fraud_proof())))),
+        ),
+        (
+            "stage_response",
+            encoded(&StageResponse::Manifest(Ok(manifest()
+                .encode()
+                .unwrap_or_default()))),
+        ),
+        (
+            "stage_request",
+            encoded(&StageRequest::Piece(dc_types::PieceRequest {
+                model_id: ModelId(Commitment([7; 32])),
+                piece: 1,
+                offset: 4096,
+                len: 1 << 20,
+            })),
+        ),
+        (
+            "stage_request",
+            encoded(&StageRequest::Manifest {
+                model_id: ModelId(Commitment([7; 32])),
+            }),
         ),
         ("gossip", encoded(&Gossip::Announcement(announcement))),
         (

@@ -72,6 +72,20 @@ pub fn stage_response(data: &[u8]) {
                 crate::proof::judge(&p);
             }
         }
+        StageResponse::Manifest(Ok(bytes)) => {
+            // A manifest a fetching daemon accepts encodes to one it accepts again, and every
+            // question the fetch asks of it is answered without a panic.
+            if let Ok(m) = dc_model::manifest::Manifest::decode(&bytes) {
+                let again = m.encode().map(|b| dc_model::manifest::Manifest::decode(&b));
+                assert!(matches!(again, Ok(Ok(ref n)) if *n == m), "{m:?}");
+                let needed = m.needed(0..3, true);
+                let _ = (m.bytes_of(&needed), m.meta_pieces());
+                for f in 0..m.files.len() as u32 {
+                    let _ = m.file_path(std::path::Path::new("/m"), f);
+                }
+                let _ = m.model_path(std::path::Path::new("/m"));
+            }
+        }
         _ => {}
     }
 }

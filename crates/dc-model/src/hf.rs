@@ -22,6 +22,32 @@ struct Shard {
     meta: Metadata,
 }
 
+/// One safetensors file's layout (see [`SafetensorsSource::layout`]).
+#[derive(Clone, Debug)]
+pub struct ShardLayout {
+    /// The file.
+    pub path: PathBuf,
+    /// Bytes before the data section.
+    pub header_len: u64,
+    /// Its tensors, in name order.
+    pub tensors: Vec<ShardTensor>,
+}
+
+/// One tensor of a safetensors file.
+#[derive(Clone, Debug)]
+pub struct ShardTensor {
+    /// Its name.
+    pub name: String,
+    /// Its dtype as safetensors spells it (`BF16`, `F32`, …).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// First byte in the file.
+    pub start: u64,
+    /// One past its last byte.
+    pub end: u64,
+}
+
 /// The tensors of a Hugging Face folder.
 pub struct SafetensorsSource {
     dir: PathBuf,
@@ -146,6 +172,34 @@ impl SafetensorsSource {
     /// Every file this source reads (for cache keys).
     pub fn files(&self) -> Vec<PathBuf> {
         self.shards.iter().map(|s| s.path.clone()).collect()
+    }
+
+    /// Where each shard's bytes lie: its path, the length of its header (the 8-byte length and
+    /// the JSON), and every tensor's name, dtype, shape and absolute byte range, in name order.
+    pub fn layout(&self) -> Vec<ShardLayout> {
+        self.shards
+            .iter()
+            .map(|s| {
+                let mut tensors: Vec<ShardTensor> = s
+                    .meta
+                    .tensors()
+                    .into_iter()
+                    .map(|(name, i)| ShardTensor {
+                        name,
+                        dtype: format!("{:?}", i.dtype),
+                        shape: i.shape.clone(),
+                        start: (s.data_start + i.data_offsets.0) as u64,
+                        end: (s.data_start + i.data_offsets.1) as u64,
+                    })
+                    .collect();
+                tensors.sort_by(|a, b| a.name.cmp(&b.name));
+                ShardLayout {
+                    path: s.path.clone(),
+                    header_len: s.data_start as u64,
+                    tensors,
+                }
+            })
+            .collect()
     }
 }
 

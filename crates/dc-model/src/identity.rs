@@ -1,60 +1,21 @@
-//! A model's identity: blake3 over its configuration and every weight tensor as loaded (f32
-//! values, tensors in name order), so peers can tell they serve the same model: two files give
-//! the same id exactly when they load to the same configuration and the same values.
+//! A model's identity: the hash of its manifest (see `manifest.rs`), which lists every file
+//! and the hash of every piece as stored. Peers serve the same model exactly when they hold
+//! the same bytes, and a daemon that knows only the id can check a manifest a peer sends.
 //!
-//! Hashing reads every tensor once; the result is cached in the data directory keyed by the
-//! files' size and modification time, so a restart does not redo it.
+//! Making a manifest hashes every byte of the model once; the manifest is cached in the data
+//! directory keyed by the files' paths, sizes and modification times, so a restart does not
+//! redo it. A fetched model carries its manifest in its folder.
 
 use std::path::Path;
 
 use dc_kernels::{Commitment, Domain};
-use rayon::prelude::*;
 
-use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::source::TensorSource;
-
-/// The model id of `cfg` and every tensor of `src`.
-pub fn model_id(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Commitment> {
-    let mut infos = src.tensors();
-    infos.sort_by(|a, b| a.name.cmp(&b.name));
-    let leaves: Vec<Result<Commitment>> = infos
-        .par_iter()
-        .map(|t| {
-            let v = src.load_f32(&t.name)?;
-            let mut h = Domain::Tensor.hasher();
-            h.update(&(t.name.len() as u64).to_le_bytes());
-            h.update(t.name.as_bytes());
-            h.update(&(t.shape.len() as u64).to_le_bytes());
-            for d in &t.shape {
-                h.update(&(*d as u64).to_le_bytes());
-            }
-            let mut buf = Vec::with_capacity(v.len().min(1 << 16) * 4);
-            for chunk in v.chunks(1 << 16) {
-                buf.clear();
-                for x in chunk {
-                    buf.extend_from_slice(&x.to_le_bytes());
-                }
-                h.update(&buf);
-            }
-            Ok(Commitment(*h.finalize().as_bytes()))
-        })
-        .collect();
-    let config = serde_json::to_vec(cfg).map_err(|e| ModelError::Config {
-        key: "model id".into(),
-        detail: e.to_string(),
-    })?;
-    let mut h = Domain::Model.hasher();
-    h.update(&(config.len() as u64).to_le_bytes());
-    h.update(&config);
-    for l in leaves {
-        h.update(&l?.0);
-    }
-    Ok(Commitment(*h.finalize().as_bytes()))
-}
+use crate::fetched::{fetched_folder, FetchedModel};
+use crate::manifest::{Manifest, MANIFEST_VERSION};
 
 /// A fingerprint of the files behind a model (paths, sizes, modification times): the cache key
-/// of its id and of its quantised weights.
+/// of its manifest and of its quantised weights.
 pub fn source_fingerprint(path: &Path) -> Result<Commitment> {
     let mut files: Vec<std::path::PathBuf> = if path.is_dir() {
         std::fs::read_dir(path)
@@ -67,6 +28,7 @@ pub fn source_fingerprint(path: &Path) -> Result<Commitment> {
                     .unwrap_or_default();
                 (name.starts_with("model") && name.ends_with(".safetensors"))
                     || name.ends_with(".json")
+                    || name.ends_with(".jinja")
             })
             .collect()
     } else {
@@ -89,21 +51,35 @@ pub fn source_fingerprint(path: &Path) -> Result<Commitment> {
     Ok(Commitment(*h.finalize().as_bytes()))
 }
 
-/// The model id of the model at `path`, cached under `data_dir/model-ids/`.
-pub fn cached_model_id(path: &Path, data_dir: &Path) -> Result<Commitment> {
+/// The manifest of the model at `path` as encoded, and its id (the model id): a fetched
+/// model's own, else from the cache under `data_dir/manifests/`, else made and cached.
+pub fn model_manifest(path: &Path, data_dir: &Path) -> Result<(Vec<u8>, Commitment)> {
+    if let Some(dir) = fetched_folder(path) {
+        let f = FetchedModel::open(&dir)?;
+        return Ok((f.manifest_bytes().to_vec(), f.id()));
+    }
     let key = source_fingerprint(path)?;
-    let dir = data_dir.join("model-ids");
-    let file = dir.join(key.to_hex());
-    if let Ok(text) = std::fs::read_to_string(&file) {
-        if let Some(c) = Commitment::from_hex(text.trim()) {
-            return Ok(c);
+    let dir = data_dir.join("manifests");
+    let file = dir.join(format!("{}-v{MANIFEST_VERSION}", key.to_hex()));
+    if let Ok(bytes) = std::fs::read(&file) {
+        if Manifest::decode(&bytes).is_ok() {
+            let id = Manifest::id_of(&bytes);
+            return Ok((bytes, id));
         }
     }
-    let (cfg, src) = crate::open::open_source(path)?;
-    let id = model_id(&cfg, src.as_ref())?;
+    let bytes = Manifest::of_model(path)?.encode()?;
     // The cache is an optimisation: failing to write it is not an error.
     if std::fs::create_dir_all(&dir).is_ok() {
-        let _ = std::fs::write(&file, id.to_hex());
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &file);
+        }
     }
-    Ok(id)
+    let id = Manifest::id_of(&bytes);
+    Ok((bytes, id))
+}
+
+/// The model id of the model at `path` (see [`model_manifest`]).
+pub fn cached_model_id(path: &Path, data_dir: &Path) -> Result<Commitment> {
+    Ok(model_manifest(path, data_dir)?.1)
 }

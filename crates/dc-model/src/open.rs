@@ -9,8 +9,17 @@ use crate::error::{ModelError, Result};
 use crate::hf::{read_json, SafetensorsSource};
 use crate::source::TensorSource;
 
-/// Opens a model's tensors and configuration: a Hugging Face folder or a GGUF file.
+/// Opens a model's tensors and configuration: a Hugging Face folder or a GGUF file. A model
+/// fetched from peers offers only the tensors it fetched.
 pub fn open_source(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
+    let (cfg, src) = open_files(path)?;
+    match crate::fetched::fetched_folder(path) {
+        Some(dir) => Ok((cfg, Box::new(crate::fetched::HeldOnly::new(src, &dir)?))),
+        None => Ok((cfg, src)),
+    }
+}
+
+fn open_files(path: &Path) -> Result<(ModelConfig, Box<dyn TensorSource>)> {
     if path.is_dir() {
         let cfg = ModelConfig::from_hf_json(&read_json(&path.join("config.json"))?)?;
         let src = SafetensorsSource::open_dir(path)?;

@@ -37,10 +37,16 @@ pub fn is_store_name(name: &str) -> bool {
         && !name.starts_with('.')
 }
 
-/// Resolves a model argument: an existing path (HF folder or GGUF file) as is, else the name of
-/// a model installed in the store. The store entry is a folder holding either an HF checkpoint
-/// or exactly one `.gguf` file.
+/// Resolves a model argument: an existing path (HF folder or GGUF file) as is, else an
+/// `org/name` in the local Hugging Face hub cache, else the name of a model installed in the
+/// store. A store entry (and a cached snapshot) is a folder holding either an HF checkpoint or
+/// exactly one `.gguf` file.
 pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
+    resolve_model_in(arg, data_dir, hf_hub_cache().as_deref())
+}
+
+/// [`resolve_model`] with the Hugging Face hub cache at `hub`.
+pub fn resolve_model_in(arg: &str, data_dir: &Path, hub: Option<&Path>) -> Result<PathBuf> {
     let p = PathBuf::from(arg);
     if p.is_dir() {
         // A folder given by path follows the store's rule too (a store entry copied elsewhere).
@@ -48,6 +54,23 @@ pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
     }
     if p.exists() {
         return Ok(p);
+    }
+    if let Some((org, name)) = arg.split_once('/') {
+        if is_store_name(org) && is_store_name(name) {
+            if let Some(snapshot) = hub
+                .map(|h| hf_snapshot(h, org, name))
+                .transpose()?
+                .flatten()
+            {
+                return model_in_folder(arg, snapshot);
+            }
+            return Err(ModelError::Input(format!(
+                "model {arg:?}: no such file or folder, and not in the Hugging Face cache{} \
+                 (dcd never downloads from the hub: fetch it there with `hf download {arg}`)",
+                hub.map(|h| format!(" at {}", h.display()))
+                    .unwrap_or_default()
+            )));
+        }
     }
     if !is_store_name(arg) {
         return Err(ModelError::Input(format!(
@@ -62,6 +85,52 @@ pub fn resolve_model(arg: &str, data_dir: &Path) -> Result<PathBuf> {
         )));
     }
     model_in_folder(arg, dir)
+}
+
+/// The Hugging Face hub cache: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+/// `~/.cache/huggingface/hub` (where `huggingface_hub` puts what it downloads).
+pub fn hf_hub_cache() -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("HF_HUB_CACHE")
+        .or_else(|| var("HF_HOME").map(|h| h.join("hub")))
+        .or_else(|| {
+            directories::BaseDirs::new().map(|b| b.home_dir().join(".cache/huggingface/hub"))
+        })
+}
+
+/// The snapshot of `org/name` in the hub cache `hub`: the one `refs/main` names, else the only
+/// one, else the newest. `None` when the cache does not hold the model.
+fn hf_snapshot(hub: &Path, org: &str, name: &str) -> Result<Option<PathBuf>> {
+    let repo = hub.join(format!("models--{org}--{name}"));
+    let snapshots = repo.join("snapshots");
+    if !snapshots.is_dir() {
+        return Ok(None);
+    }
+    if let Ok(rev) = std::fs::read_to_string(repo.join("refs").join("main")) {
+        let rev = rev.trim();
+        let dir = snapshots.join(rev);
+        if is_store_name(rev) && dir.is_dir() {
+            return Ok(Some(dir));
+        }
+    }
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&snapshots)
+        .map_err(|e| ModelError::io(&snapshots, e))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| {
+            let t = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            (t, e.path())
+        })
+        .collect();
+    found.sort();
+    Ok(found.pop().map(|(_, p)| p))
 }
 
 /// The model a folder holds: the folder itself for an HF checkpoint, else its one GGUF file.
@@ -138,5 +207,47 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(bad.contains("no such file or folder"), "{bad}");
+    }
+
+    #[test]
+    fn org_slash_name_is_found_in_the_hugging_face_cache() {
+        let data = tempfile::tempdir().unwrap();
+        let hub = tempfile::tempdir().unwrap();
+        let repo = hub.path().join("models--acme--tiny-llm");
+        let old = repo.join("snapshots/0123abc");
+        let new = repo.join("snapshots/4567def");
+        for d in [&old, &new] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("config.json"), b"{}").unwrap();
+        }
+        let find = |arg: &str| resolve_model_in(arg, data.path(), Some(hub.path()));
+        // refs/main names the snapshot to use, whichever is newer.
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("refs/main"), "0123abc\n").unwrap();
+        assert_eq!(find("acme/tiny-llm").unwrap(), old);
+        // Without refs/main, the newest snapshot.
+        std::fs::remove_file(repo.join("refs/main")).unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        std::fs::File::open(&new)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        assert_eq!(find("acme/tiny-llm").unwrap(), new);
+        // A GGUF repository's snapshot gives its one file.
+        let g = hub.path().join("models--acme--tiny-gguf/snapshots/89ab");
+        std::fs::create_dir_all(&g).unwrap();
+        std::fs::write(g.join("tiny-q8_0.gguf"), b"").unwrap();
+        assert_eq!(find("acme/tiny-gguf").unwrap(), g.join("tiny-q8_0.gguf"));
+        // Not in the cache: an error that says where it looked and that nothing is downloaded.
+        let absent = find("acme/absent").unwrap_err().to_string();
+        assert!(absent.contains("not in the Hugging Face cache"), "{absent}");
+        assert!(
+            absent.contains(&hub.path().display().to_string()),
+            "{absent}"
+        );
+        // Names that could leave the cache are refused before any lookup.
+        let bad = find("../x").unwrap_err().to_string();
+        assert!(bad.contains("no such file or folder"), "{bad}");
+        assert!(find("acme/..").is_err());
     }
 }

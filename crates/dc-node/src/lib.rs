@@ -6,6 +6,7 @@
 //! The rooms, from the ground up (each imports only those below it):
 //! - [`core`]: the node's handle, configuration and peer view, shared by all;
 //! - [`stage`]: serving hops, caches and reveals for other heads;
+//! - [`weights`]: the model's files shared with peers, and fetched from them;
 //! - [`check`]: audits, spot checks, referees, proofs, claims and exclusion;
 //! - [`daemon`]: the rooms side by side;
 //! - [`head`]: one generation's driver, and electing and reaching a generation's head;
@@ -22,6 +23,7 @@ pub mod head;
 pub mod idle;
 pub mod lifecycle;
 pub mod stage;
+pub mod weights;
 
 pub use crate::core::{LayerChoice, Node, NodeConfig, SpotRate};
 pub use daemon::Daemon;

@@ -47,7 +47,11 @@ pub use wire::{decode, encode, WireError};
 ///    records and commitments are protocol 9's.
 /// 13: a generation request's output format (`OutputFormat`) is text, any JSON object, or a
 ///    JSON document of a schema it carries; hop records and commitments are protocol 9's.
-pub const PROTOCOL_VERSION: u32 = 13;
+/// 14: the model id is the hash of the model's manifest (its files and the hash of every
+///    piece as stored), and a stage serves the manifest and the pieces it holds
+///    (`StageRequest::Manifest`, `StageRequest::Piece`) so that a daemon with no files can fetch
+///    its layers from peers; hop records and commitments are protocol 9's.
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// The signing kind of a hop record (`dc_net::signing`). It names the protocol whose
 /// commitments the record's trace root covers, so a record signed under other commitments (an

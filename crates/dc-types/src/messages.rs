@@ -200,6 +200,30 @@ pub enum StageRequest {
     /// kept), one answer per hop in order: a head asks for its spot checks of a stage's
     /// consecutive hops in one exchange rather than one per hop.
     RevealHops(Vec<RevealRequest>),
+    /// Send the manifest of this model (see `dc_model::manifest`): a daemon that knows only
+    /// the model id fetches it to learn the model's files.
+    Manifest {
+        /// The model asked for.
+        model_id: ModelId,
+    },
+    /// Send bytes of one piece of the model's files (at most [`MAX_PIECE_CHUNK`]).
+    Piece(PieceRequest),
+}
+
+/// Most bytes of a piece one answer carries.
+pub const MAX_PIECE_CHUNK: u32 = 1 << 20;
+
+/// Bytes `offset..offset + len` of piece `piece` of a model's manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PieceRequest {
+    /// The model.
+    pub model_id: ModelId,
+    /// Index into the manifest's pieces.
+    pub piece: u32,
+    /// First byte, from the piece's start.
+    pub offset: u64,
+    /// Bytes asked for (at most [`MAX_PIECE_CHUNK`]).
+    pub len: u32,
 }
 
 /// The KV cache rows of positions `from..end` of every layer a stage runs for `generation`.
@@ -374,6 +398,11 @@ pub enum StageResponse {
     /// Per hop asked about, in order, its revealed rows or why they cannot be; or why the
     /// request as a whole is refused.
     RevealHops(Result<Vec<Result<Vec<LayerReveal>, String>>, String>),
+    /// The encoded manifest, or why this peer cannot send it.
+    Manifest(Result<Vec<u8>, String>),
+    /// The piece's bytes asked for, or why this peer cannot send them (it does not hold the
+    /// piece, or the request is out of range).
+    Piece(Result<Vec<u8>, String>),
 }
 
 /// What makes a fraud proof.

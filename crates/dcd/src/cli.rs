@@ -77,8 +77,9 @@ pub enum Command {
 /// `DCD_MAX_MEMORY`, `max_memory = ...`); `dcd config show` prints the result.
 #[derive(Debug, Args)]
 pub struct JoinArgs {
-    /// A Hugging Face model folder, a GGUF file, or the name of an installed model
-    /// [env: DCD_MODEL; config: model].
+    /// A Hugging Face model folder, a GGUF file, the name of an installed model, an org/name
+    /// in the local Hugging Face cache, or a model id (64 hex digits: `dcd status` of a peer
+    /// shows it) whose layers are fetched from the peers [env: DCD_MODEL; config: model].
     #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// Layers to serve: a half-open range A..B (0..2 serves layers 0 and 1), or auto
@@ -225,16 +226,17 @@ pub struct ConfigShowArgs {
 /// Which model to use.
 #[derive(Debug, Args, Clone)]
 pub struct ModelArg {
-    /// A Hugging Face model folder, a GGUF file, or the name of an installed model
-    /// (`scripts/fetch-model.sh` installs `smollm2-135m`).
+    /// A Hugging Face model folder, a GGUF file, the name of an installed model
+    /// (`scripts/fetch-model.sh` installs `smollm2-135m`), or an org/name in the local Hugging
+    /// Face cache.
     #[arg(long, short = 'm')]
     pub model: String,
 }
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// A Hugging Face model folder, a GGUF file, or the name of an installed model (runs in
-    /// this process).
+    /// A Hugging Face model folder, a GGUF file, the name of an installed model or an org/name
+    /// in the local Hugging Face cache (runs in this process).
     #[arg(
         long,
         short = 'm',

@@ -68,9 +68,9 @@ pub enum Domain {
     HopGemms,
     /// A signed hop record.
     HopRecord,
-    /// A model: its configuration and weights as loaded.
+    /// Retired with protocol 14: a model id over its configuration and weights as loaded.
     Model,
-    /// A weight tensor as loaded (inside the model id).
+    /// Retired with protocol 14: a weight tensor as loaded (inside the old model id).
     Tensor,
     /// The source of a cached quantised model (file identity).
     CacheKey,
@@ -87,10 +87,14 @@ pub enum Domain {
     /// A link of a generation's chain of hop inputs at one stage (since protocol 9): the
     /// chain before a hop and the hop's input commitment.
     InputChain,
+    /// A model's manifest (since protocol 14, the model id): its files and pieces.
+    Manifest,
+    /// One piece of a model's files as stored (a tensor's bytes, a header, a small file).
+    Piece,
 }
 
 impl Domain {
-    const ALL: [Domain; 14] = [
+    const ALL: [Domain; 16] = [
         Domain::GemmRow,
         Domain::MerkleNode,
         Domain::Gemm,
@@ -105,6 +109,8 @@ impl Domain {
         Domain::ProductRow,
         Domain::QuantizedRow,
         Domain::InputChain,
+        Domain::Manifest,
+        Domain::Piece,
     ];
 
     /// The blake3 `derive_key` context: globally unique, never to be changed once shipped.
@@ -124,6 +130,8 @@ impl Domain {
             Domain::ProductRow => "DaisyChain 2026-12-02 product output row leaf v1",
             Domain::QuantizedRow => "DaisyChain 2026-12-02 quantised activation row leaf v1",
             Domain::InputChain => "DaisyChain 2026-12-03 generation input chain v1",
+            Domain::Manifest => "DaisyChain 2026-12-07 model manifest v1",
+            Domain::Piece => "DaisyChain 2026-12-07 model file piece v1",
         }
     }
 

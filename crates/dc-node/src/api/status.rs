@@ -75,6 +75,8 @@ pub fn status(d: &Daemon, connections: &[ConnectionInfo]) -> Value {
         "layers": serving.as_ref().map(|s| s.layers.to_string()),
         "head": serving.as_ref().is_some_and(|s| s.head),
         "state": node.state().name(),
+        "fetched_model": d.weights.is_fetched(),
+        "fetch": d.weights.status(),
         "paused": node.paused(),
         "idle_only": node.cfg.idle_only,
         "uptime_s": node.started.elapsed().as_secs(),

@@ -16,6 +16,7 @@ use super::book::AuditBook;
 use super::claims::ClaimQueue;
 use crate::core::Node;
 use crate::stage::Stage;
+use crate::weights::Weights;
 
 /// What this daemon checks, and what it knows from checking.
 #[derive(Debug)]
@@ -24,6 +25,8 @@ pub struct Checks {
     pub node: Arc<Node>,
     /// Our own stage (it replays audits this daemon runs for itself).
     pub stage: Arc<Stage>,
+    /// The model's files (a fetched model fetches the layers it referees or checks).
+    pub weights: Arc<Weights>,
     book: Mutex<AuditBook>,
     /// Layers loaded on demand to referee disputes and check proofs.
     pub(super) referee: tokio::sync::Mutex<Option<(LayerRange, Arc<Model>)>>,
@@ -38,12 +41,14 @@ pub struct Checks {
 }
 
 impl Checks {
-    /// The checks of `node`, whose own audits replay on `stage`.
-    pub fn new(node: Arc<Node>, stage: Arc<Stage>) -> Checks {
+    /// The checks of `node`, whose own audits replay on `stage`, loading layers it does not
+    /// serve from `weights`.
+    pub fn new(node: Arc<Node>, stage: Arc<Stage>, weights: Arc<Weights>) -> Checks {
         let secret = new_secret(node.local.as_bytes());
         Checks {
             node,
             stage,
+            weights,
             book: Mutex::new(AuditBook::default()),
             referee: tokio::sync::Mutex::new(None),
             referee_gate: tokio::sync::Mutex::new(()),

@@ -77,6 +77,7 @@ async fn referee_model(checks: &Checks, layers: LayerRange) -> Result<Arc<Model>
             return Ok(m.clone());
         }
     }
+    checks.weights.ensure(layers, false).await?;
     let path = node.cfg.model.clone();
     let data_dir = node.cfg.data_dir.clone();
     let m = tokio::task::spawn_blocking(move || {

@@ -566,6 +566,12 @@ async fn checkers(
         .filter(|l| !held.contains_key(l))
         .collect();
     if !missing.is_empty() {
+        // A fetched model fetches the layers it checks but does not serve.
+        for &l in &missing {
+            if let Some(one) = dc_types::LayerRange::new(l as u32, l as u32 + 1) {
+                checks.weights.ensure(one, false).await?;
+            }
+        }
         let own_secret = checks.secret;
         let n2 = checks.node.clone();
         let built = tokio::task::spawn_blocking(move || -> Result<Vec<LayerChecker>, String> {

@@ -71,8 +71,11 @@ impl std::str::FromStr for SpotRate {
 /// Everything `dcd join` needs.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
-    /// Model path (HF folder or GGUF file).
+    /// Model path (HF folder or GGUF file); with `fetch`, the store folder its files go to.
     pub model: PathBuf,
+    /// The id of a model to fetch from peers into the folder `model`: its manifest and headers
+    /// at start unless the folder holds them, then the pieces of the layers chosen.
+    pub fetch: Option<dc_types::ModelId>,
     /// Layers to serve.
     pub layers: LayerChoice,
     /// Whether to hold the head weights.
@@ -146,6 +149,7 @@ impl NodeConfig {
     pub fn new(model: PathBuf, data_dir: PathBuf) -> NodeConfig {
         NodeConfig {
             model,
+            fetch: None,
             layers: LayerChoice::Auto,
             head: true,
             listen: vec![

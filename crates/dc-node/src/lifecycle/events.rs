@@ -1,5 +1,6 @@
 //! The network's events, each sent to the room that owns it: gossip to the gossip handling,
-//! stage work to the stage, proof requests to the checks, generation streams to the head,
+//! stage work to the stage, proof requests to the checks, the model's files to the weights,
+//! generation streams to the head,
 //! connection changes to the peer table.
 
 use dc_net::NetEvent;
@@ -38,7 +39,7 @@ pub fn spawn_generation_streams(d: &Daemon) -> Result<(), String> {
     Ok(())
 }
 
-fn on_net_event(d: &Daemon, ev: NetEvent) {
+pub(super) fn on_net_event(d: &Daemon, ev: NetEvent) {
     let node = &d.node;
     match ev {
         NetEvent::Gossip { from, data } => on_gossip(d, &from.to_string(), &data),
@@ -104,5 +105,9 @@ async fn answer(d: &Daemon, request: StageRequest, from: &str) -> StageResponse 
             StageResponse::CacheRows(stage.serve_cache_rows(r, from).await)
         }
         StageRequest::GetProof { id } => StageResponse::Proof(Box::new(d.checks.proof(&id))),
+        StageRequest::Manifest { model_id } => {
+            StageResponse::Manifest(d.weights.serve_manifest(&model_id))
+        }
+        StageRequest::Piece(r) => StageResponse::Piece(d.weights.serve_piece(r).await),
     }
 }

@@ -17,8 +17,11 @@ use crate::core::view::{coverage, least_served_window, should_move, uncovered};
 use crate::core::{LayerChoice, Node, Serving};
 use crate::daemon::Daemon;
 
-/// Loads `layers` (and the head weights if `head`) on the compute pool.
-pub async fn load(node: &Node, layers: LayerRange, head: bool) -> Result<Serving, String> {
+/// Loads `layers` (and the head weights if `head`) on the compute pool, after fetching their
+/// pieces from peers if this daemon's model is fetched.
+pub async fn load(d: &Daemon, layers: LayerRange, head: bool) -> Result<Serving, String> {
+    d.weights.ensure(layers, head).await?;
+    let node = &d.node;
     let (path, data_dir) = (node.cfg.model.clone(), node.cfg.data_dir.clone());
     tokio::task::spawn_blocking(move || {
         let model = Model::load(
@@ -174,7 +177,7 @@ async fn rebalance_once(d: &Daemon, healing: bool) -> Result<(), String> {
     );
     println!("moving from layers {} to {proposed}", current.layers);
     // Keep serving the old range while the new one loads: nothing is uncovered meanwhile.
-    let serving = load(node, proposed, current.head).await?;
+    let serving = load(d, proposed, current.head).await?;
     node.set_serving(serving);
     announce(d).await;
     println!("serving layers {proposed} of {n}");

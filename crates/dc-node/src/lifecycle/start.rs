@@ -12,7 +12,7 @@ use dc_net::NetConfig;
 use dc_types::{LayerRange, ModelId, PeerState, PROTOCOL_VERSION};
 use tokio::sync::watch;
 
-use super::events::{spawn_event_handler, spawn_generation_streams};
+use super::events::{on_net_event, spawn_event_handler, spawn_generation_streams};
 use super::gossip::announce;
 use super::shards::{choose_auto, load, measure_throughput, periodic};
 use crate::core::memory::{head_bytes, layer_bytes};
@@ -26,8 +26,13 @@ pub async fn run(cfg: NodeConfig) -> Result<(), String> {
         selftest()?;
         println!("self-test passed ({} kernels)", Kernel::supported().len());
     }
-    let (node, events) = start_node(cfg)?;
-    let d = Daemon::new(node.clone(), runner());
+    let s = start_node(cfg).await?;
+    let (node, events) = (s.node, s.events);
+    let weights = crate::weights::Weights::new(node.clone(), s.manifest, s.corrupt_peers)?;
+    let d = Daemon::new(node.clone(), runner(), weights);
+    for ev in s.held_back {
+        on_net_event(&d, ev);
+    }
     println!("peer id {}", node.local);
     println!(
         "model {} (model id {})",
@@ -64,27 +69,35 @@ fn runner() -> Arc<dyn HopRunner> {
     Arc::new(crate::stage::Honest)
 }
 
+/// What start-up hands on.
+struct Started {
+    node: Arc<Node>,
+    /// The network's events.
+    events: tokio::sync::mpsc::Receiver<dc_net::NetEvent>,
+    /// The model's manifest, encoded.
+    manifest: Vec<u8>,
+    /// Events that arrived while the model's skeleton was fetched.
+    held_back: Vec<dc_net::NetEvent>,
+    /// Peers that sent corrupt pieces of the skeleton.
+    corrupt_peers: std::collections::HashSet<String>,
+}
+
 /// The node: the model's shape and id, the identity, the tokenizer, and the network started.
-fn start_node(
-    cfg: NodeConfig,
-) -> Result<(Arc<Node>, tokio::sync::mpsc::Receiver<dc_net::NetEvent>), String> {
-    let (model_cfg, _) = dc_model::open::open_source(&cfg.model).map_err(|e| e.to_string())?;
-    let model_id = ModelId(
-        dc_model::identity::cached_model_id(&cfg.model, &cfg.data_dir)
-            .map_err(|e| e.to_string())?,
-    );
+/// A model to fetch gets its manifest and headers from peers first (unless its folder holds
+/// them from an earlier start).
+async fn start_node(mut cfg: NodeConfig) -> Result<Started, String> {
     let keypair = dc_net::identity::load_or_create(&cfg.data_dir.join("identity.key"))?;
-    let (tokenizer, chat, special) = match load_for_model(&cfg.model) {
-        Ok((t, c, s)) => (Some(t), c, s),
-        Err(_) => (
-            None,
-            None,
-            SpecialTokens {
-                bos: model_cfg.bos_token_id,
-                eos: model_cfg.eos_token_ids.clone(),
-                ..SpecialTokens::default()
-            },
+    let local = match cfg.fetch {
+        Some(id) => fetched_so_far(&mut cfg, id)?,
+        None => Some(
+            dc_model::identity::model_manifest(&cfg.model, &cfg.data_dir)
+                .map_err(|e| e.to_string())?,
         ),
+    };
+    let model_id = match (&local, cfg.fetch) {
+        (Some((_, id)), _) => ModelId(*id),
+        (None, Some(id)) => id,
+        (None, None) => return Err("no model".into()),
     };
     let topic = format!(
         "daisychain/announce/{PROTOCOL_VERSION}/{}",
@@ -106,8 +119,41 @@ fn start_node(
         max_connections_per_peer: cfg.max_connections_per_peer,
         ..NetConfig::new(keypair.clone(), topic)
     };
-    let (client, events, event_loop) = dc_net::start(net)?;
+    let (client, mut events, event_loop) = dc_net::start(net)?;
     tokio::spawn(event_loop.run());
+    let mut held_back = Vec::new();
+    let mut corrupt_peers = std::collections::HashSet::new();
+    let manifest = match local {
+        Some((bytes, _)) => bytes,
+        None => {
+            let skeleton = crate::weights::fetch_skeleton(
+                &client,
+                &mut events,
+                &mut held_back,
+                model_id,
+                &cfg.model,
+                cfg.max_message_bytes,
+                cfg.request_timeout,
+            )
+            .await?;
+            corrupt_peers = skeleton.corrupt_peers;
+            cfg.model = skeleton.model.model_path();
+            skeleton.model.manifest_bytes().to_vec()
+        }
+    };
+    let (model_cfg, _) = dc_model::open::open_source(&cfg.model).map_err(|e| e.to_string())?;
+    let (tokenizer, chat, special) = match load_for_model(&cfg.model) {
+        Ok((t, c, s)) => (Some(t), c, s),
+        Err(_) => (
+            None,
+            None,
+            SpecialTokens {
+                bos: model_cfg.bos_token_id,
+                eos: model_cfg.eos_token_ids.clone(),
+                ..SpecialTokens::default()
+            },
+        ),
+    };
     let gemm = Gemm::new(cfg.kernel, cfg.threads).map_err(|e| e.to_string())?;
     let node = Node::new(NodeParts {
         cfg,
@@ -120,7 +166,38 @@ fn start_node(
         chat,
         special,
     });
-    Ok((Arc::new(node), events))
+    Ok(Started {
+        node: Arc::new(node),
+        events,
+        manifest,
+        held_back,
+        corrupt_peers,
+    })
+}
+
+/// For a model to fetch into the folder `cfg.model`: its manifest and id if the folder holds
+/// the manifest of `id` and every header (then `cfg.model` becomes the model inside it), or
+/// `None` when the skeleton must come from peers.
+fn fetched_so_far(
+    cfg: &mut NodeConfig,
+    id: ModelId,
+) -> Result<Option<(Vec<u8>, dc_kernels::Commitment)>, String> {
+    let dir = cfg.model.clone();
+    let Ok(f) = dc_model::fetched::FetchedModel::open(&dir) else {
+        return Ok(None);
+    };
+    if ModelId(f.id()) != id {
+        return Err(format!(
+            "{} holds the fetched model {}, not {id}: remove the folder to fetch another model there",
+            dir.display(),
+            f.id()
+        ));
+    }
+    if !f.missing(&f.manifest().meta_pieces()).is_empty() {
+        return Ok(None);
+    }
+    cfg.model = f.model_path();
+    Ok(Some((f.manifest_bytes().to_vec(), f.id())))
 }
 
 /// Chooses our layers, loads them (with the head weights if they fit), measures them and
@@ -146,7 +223,7 @@ async fn serve_layers(d: &Daemon) -> Result<(), String> {
     if node.cfg.head && !fits_head {
         println!("the head weights do not fit the memory budget: serving without them");
     }
-    node.set_serving(load(node, layers, fits_head).await?);
+    node.set_serving(load(d, layers, fits_head).await?);
     node.set_throughput(measure_throughput(node).await);
     node.set_state(PeerState::Serving);
     println!(

@@ -26,6 +26,8 @@
 //!   middle of a generation), so the head must go on without it.
 //! - `flip-leave`: flips a bit like `flip-bit` on its prefill hops, then leaves like `leave`:
 //!   the peer taking its layers over replays other outputs than the ones it signed.
+//! - `corrupt-pieces`: computes honestly, but flips a byte of every piece of the model's files
+//!   it sends to a peer fetching them, which must notice and fetch from another peer.
 //!
 //! A lying daemon also announces a far larger throughput than it measured, as a real liar
 //! wanting traffic would, so that heads route through it.
@@ -70,6 +72,8 @@ pub enum FaultKind {
     Leave,
     /// Lie on the prefill, then quit.
     FlipLeave,
+    /// Send corrupt pieces of the model's files.
+    CorruptPieces,
 }
 
 /// A configured fault.
@@ -98,10 +102,11 @@ impl std::str::FromStr for Fault {
             "trace" => FaultKind::Trace,
             "leave" => FaultKind::Leave,
             "flip-leave" => FaultKind::FlipLeave,
+            "corrupt-pieces" => FaultKind::CorruptPieces,
             _ => {
                 return Err(format!(
                     "fault {k:?}: expected flip-bit, prompt, skip-layer, other-weights, \
-                     stale, attention, hide, chain, trace, leave or flip-leave"
+                     stale, attention, hide, chain, trace, leave, flip-leave or corrupt-pieces"
                 ))
             }
         };
@@ -134,9 +139,16 @@ pub struct Lying {
     fault: Fault,
 }
 
-/// The lying runner, if a fault is configured.
+/// The lying runner, if a fault of the hops is configured.
 pub fn chosen() -> Option<Lying> {
-    configured().map(|fault| Lying { fault })
+    configured()
+        .filter(|f| f.kind != FaultKind::CorruptPieces)
+        .map(|fault| Lying { fault })
+}
+
+/// Whether this daemon corrupts the pieces it sends (`corrupt-pieces`).
+pub fn corrupts_pieces() -> bool {
+    configured().is_some_and(|f| f.kind == FaultKind::CorruptPieces)
 }
 
 impl HopRunner for Lying {
@@ -276,9 +288,9 @@ fn lie(
                 set_output(trace, &y);
                 y
             }
-            // Their lie is in the record they sign ([`previous`]) or the trace they send
-            // ([`sent_trace`]), not in what they compute.
-            FaultKind::Chain | FaultKind::Trace => {
+            // Their lie is in the record they sign ([`previous`]), the trace they send
+            // ([`sent_trace`]) or the pieces they send, not in what they compute.
+            FaultKind::Chain | FaultKind::Trace | FaultKind::CorruptPieces => {
                 let (y, k) = model.run_layers_kept(gemm, x, cache, trace)?;
                 kept = k;
                 y

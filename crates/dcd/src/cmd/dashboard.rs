@@ -286,6 +286,9 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
             text(&s["num_layers"])
         )),
     ]));
+    if let Some(f) = fetch_line(&s["fetch"]) {
+        lines.push(f);
+    }
     lines.push(paused_line(s));
     lines.push(compute_line(s));
     lines.push(memory_line(&s["memory"]));
@@ -295,6 +298,29 @@ fn this_peer(s: &Value) -> Paragraph<'static> {
         Span::raw(format!("{} generations at once", text(&g["max"]))),
     ]));
     Paragraph::new(lines).block(Block::bordered().title(" This peer "))
+}
+
+/// How the fetch of the model's pieces from peers goes, for a daemon that fetched it.
+fn fetch_line(f: &Value) -> Option<Line<'static>> {
+    let total = f["total_bytes"].as_u64()?;
+    let done = f["done_bytes"].as_u64().unwrap_or(0);
+    let corrupt = f["corrupt_peers"].as_array().map_or(0, Vec::len);
+    let state = if f["finished"].as_bool() == Some(true) {
+        "fetched"
+    } else {
+        "fetching"
+    };
+    let mut text = format!(
+        "{state} {:.1} of {:.1} MB from peers ({} of {} pieces)",
+        done as f64 / 1e6,
+        total as f64 / 1e6,
+        f["done_pieces"].as_u64().unwrap_or(0),
+        f["total_pieces"].as_u64().unwrap_or(0)
+    );
+    if corrupt > 0 {
+        text.push_str(&format!(" · {corrupt} peer(s) sent corrupt pieces"));
+    }
+    Some(Line::from(vec![label("weights"), Span::raw(text)]))
 }
 
 /// The listen addresses, at most two lines (the rest counted).

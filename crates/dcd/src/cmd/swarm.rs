@@ -41,10 +41,16 @@ pub fn join(global: &Global, r: &Resolved) -> Result<ExitCode> {
         Some(d) => d.clone(),
         None => dc_model::store::data_dir()?,
     };
-    let model = dc_model::store::resolve_model(model, &data_dir)?;
-    let cfg = s
+    // A model id: the model's files come from peers into the store folder of that id.
+    let fetch = dc_kernels::Commitment::from_hex(model).map(dc_types::ModelId);
+    let model = match fetch {
+        Some(id) => dc_model::store::models_dir(&data_dir).join(id.0.to_hex()),
+        None => dc_model::store::resolve_model(model, &data_dir)?,
+    };
+    let mut cfg = s
         .node_config(model, data_dir)
         .map_err(|e| anyhow::anyhow!(e))?;
+    cfg.fetch = fetch;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
