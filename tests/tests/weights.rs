@@ -211,3 +211,44 @@ fn a_hugging_face_folder_is_fetched_as_well() {
     });
     assert_same_as_local(&model, &a.api, "1,2,3,4,5,6,7");
 }
+
+#[test]
+fn a_daemon_streams_the_layers_its_memory_does_not_hold_and_gives_the_same_bits() {
+    let model = smollm2();
+    let (cfg, _) = dc_model::open::open_source(&model).unwrap();
+    let (layer, head) = (
+        dc_node::core::memory::layer_bytes(&cfg),
+        dc_node::core::memory::head_bytes(&cfg),
+    );
+    // Room for the head weights and 10 of the 30 layers (a tenth is kept for caches).
+    let budget = ((head + 10 * layer + layer / 2) * 10 / 9).to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let a = Daemon::start(
+        dir.path(),
+        "a",
+        &model,
+        &["--layers", "0..30", "--max-memory", &budget],
+    );
+    let window = dc_model::stream::WINDOW;
+    let streamed = 30 - (10 - window);
+    let line = printed(&a, "serving layers 0..30 of 30").unwrap();
+    assert!(
+        line.ends_with(&format!(
+            "with the head weights ({streamed} streamed from the weight cache)"
+        )),
+        "{line}"
+    );
+    let m = &a.status()["memory"];
+    assert_eq!(m["streamed_layers"], streamed);
+    // What it holds: the resident layers, the window and the head, within the budget.
+    let held = m["weights"].as_u64().unwrap();
+    assert_eq!(held, (10 - window + window) as u64 * layer + head);
+    assert!(held <= budget.parse::<u64>().unwrap());
+    let reads = m["layer_reads"].as_u64().unwrap();
+    assert_same_as_local(&model, &a.api, "1,504,3575,282,4649,314");
+    let after = a.status()["memory"]["layer_reads"].as_u64().unwrap();
+    assert!(
+        after >= reads + streamed as u64,
+        "{reads} then {after}: layers read as hops reach them"
+    );
+}

@@ -25,6 +25,7 @@ pub mod sampling;
 pub mod source;
 pub mod speculative;
 pub mod store;
+pub mod stream;
 pub mod tokenizer;
 pub mod verify;
 pub mod weight_cache;

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
 use dc_kernels::verify::commit::LeafBatch;
@@ -23,6 +24,7 @@ use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::open::open_source;
 use crate::source::TensorSource;
+use crate::stream::{LayerRef, Streamed};
 use crate::trace::{HopTrace, Point};
 use crate::verify::kept::{Kept, KeptHop, KeptLayer};
 use crate::weight_cache::WeightCache;
@@ -304,6 +306,8 @@ pub struct Model {
     pub config: ModelConfig,
     path: PathBuf,
     layers: BTreeMap<usize, Layer>,
+    /// Layers served from the weight cache instead of memory (see `stream.rs`).
+    streamed: Option<Arc<Streamed>>,
     head: Option<Head>,
     rope: Option<RopeTable>,
 }
@@ -314,6 +318,7 @@ impl std::fmt::Debug for Model {
             .field("path", &self.path)
             .field("arch", &self.config.arch)
             .field("layers", &self.layers.keys().collect::<Vec<_>>())
+            .field("streamed", &self.streamed)
             .field("head", &self.head.is_some())
             .finish()
     }
@@ -328,6 +333,35 @@ impl Model {
             None => None,
         };
         Self::from_source_cached(config, src.as_ref(), cache.as_ref(), opts)
+    }
+
+    /// Loads like [`Model::load`], but keeps only the first `resident` layers of the range in
+    /// memory; the others stay in the weight cache (which `opts.cache_in` must name) and are
+    /// streamed from it as hops reach them, at most [`crate::stream::WINDOW`] at a time.
+    pub fn load_streaming(path: &Path, opts: &LoadOptions, resident: usize) -> Result<Model> {
+        let config = open_source(path)?.0;
+        let range = opts.layers.clone().unwrap_or(0..config.num_layers);
+        check_range(&config, &range)?;
+        let data_dir = opts.cache_in.as_ref().ok_or_else(|| {
+            ModelError::Input("streaming layers needs the weight cache (a data directory)".into())
+        })?;
+        let cache = WeightCache::for_model(path, data_dir)?;
+        let keep = range.start..(range.start + resident).min(range.end);
+        let (_, src) = open_source(path)?;
+        let mut model = Self::from_source_cached(
+            config.clone(),
+            src.as_ref(),
+            Some(&cache),
+            &LoadOptions {
+                layers: Some(keep.clone()),
+                ..opts.clone()
+            },
+        )?;
+        let streamed: std::collections::BTreeSet<usize> = (keep.end..range.end).collect();
+        if !streamed.is_empty() {
+            model.streamed = Some(Arc::new(Streamed::new(config, src, cache, streamed)?));
+        }
+        Ok(model)
     }
 
     /// Loads from an already opened source (without the weight cache).
@@ -377,14 +411,27 @@ impl Model {
             path: src.path().to_path_buf(),
             config,
             layers,
+            streamed: None,
             head,
             rope,
         })
     }
 
-    /// The layers loaded.
+    /// The layers loaded (held in memory or streamed).
     pub fn loaded_layers(&self) -> Vec<usize> {
-        self.layers.keys().copied().collect()
+        let mut all: Vec<usize> = self.layers.keys().copied().collect();
+        if let Some(s) = &self.streamed {
+            all.extend(s.layers());
+        }
+        all.sort_unstable();
+        all
+    }
+
+    /// The layers streamed from the weight cache, and the reads that took so far.
+    pub fn stream_stats(&self) -> crate::stream::StreamStats {
+        self.streamed
+            .as_ref()
+            .map_or_else(Default::default, |s| s.stats())
     }
 
     /// Whether the head weights are loaded.
@@ -527,9 +574,14 @@ impl Model {
             k.layers.reserve(range.len());
         }
         for (ci, i) in range.clone().enumerate() {
-            let layer = self.layers.get(&i).ok_or_else(|| {
+            let layer = self.layer(i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))
-            })?;
+            })??;
+            // The next streamed layer is read while this one computes.
+            if let Some(s) = self.streamed.as_ref().filter(|_| i + 1 < range.end) {
+                s.read_ahead(i + 1);
+            }
+            let layer = &*layer;
             let [even, odd] = &mut batches;
             let (now, before) = if ci % 2 == 0 {
                 (even, odd)
@@ -744,9 +796,13 @@ impl Model {
         Ok(Some(products.quantized(Point::Hidden, qa)?))
     }
 
-    /// Layer `i`, if loaded.
-    pub(crate) fn layer(&self, i: usize) -> Option<&Layer> {
-        self.layers.get(&i)
+    /// Layer `i`, if loaded: held, or streamed in (which may fail to read).
+    pub(crate) fn layer(&self, i: usize) -> Option<Result<LayerRef<'_>>> {
+        if let Some(l) = self.layers.get(&i) {
+            return Some(Ok(LayerRef::Resident(l)));
+        }
+        let s = self.streamed.as_ref().filter(|s| s.has(i))?;
+        Some(s.get(i).map(LayerRef::Streamed))
     }
 
     /// Final norm and output projection: logits for every row, `rows × vocab`.

@@ -65,7 +65,7 @@ impl WeightCache {
         load: impl FnOnce() -> Result<Cow<'w, [f32]>>,
     ) -> Result<PackedWeights> {
         let file = self.entry(name, k, n, layout);
-        if let Ok(bytes) = std::fs::read(&file) {
+        if let Some(bytes) = map(&file) {
             match PackedWeights::from_bytes(&bytes) {
                 Ok(p) if p.k() == k && p.n() == n => return Ok(p),
                 Ok(p) => tracing::warn!(
@@ -93,6 +93,14 @@ impl WeightCache {
         std::fs::write(&tmp, p.to_bytes())?;
         std::fs::rename(&tmp, file)
     }
+}
+
+/// The entry `file`, memory-mapped (read once into the packing, without a copy in between).
+fn map(file: &Path) -> Option<memmap2::Mmap> {
+    let f = std::fs::File::open(file).ok()?;
+    // SAFETY: read-only. An entry is replaced by a rename, never written in place, so the
+    // mapped file does not change underneath; a damaged one fails the checksum.
+    unsafe { memmap2::Mmap::map(&f) }.ok()
 }
 
 /// Packs `name` through `cache` when there is one.

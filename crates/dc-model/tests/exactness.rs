@@ -367,3 +367,54 @@ fn guessing_tokens_ahead_changes_no_token_and_no_bit() {
         "accepted {accepted}, missed {missed}"
     );
 }
+
+/// A stage that streams layers from the weight cache computes the same bits and the same
+/// commitments as one holding them all: prefill and decode, traced, through two stages; and it
+/// really streams (its layers are read from disk as hops reach them, at most a window at once).
+#[test]
+fn streamed_layers_give_the_same_bits_and_commitments_as_resident_ones() {
+    for name in TINY {
+        let dir = fixtures().join(name);
+        let data = tempfile::tempdir().unwrap();
+        let opts = LoadOptions {
+            cache_in: Some(data.path().to_path_buf()),
+            ..LoadOptions::default()
+        };
+        let ids = sequence(name);
+        let gemm = Gemm::new(Kernel::best(), 2).unwrap();
+        let resident = load(name);
+        let streamed = Model::load_streaming(&dir, &opts, 1).unwrap();
+        let stats = streamed.stream_stats();
+        assert_eq!((stats.layers, stats.reads), (vec![1, 2, 3], 0), "{name}");
+        assert_eq!(streamed.loaded_layers(), vec![0, 1, 2, 3], "{name}");
+        let logits = |m: &Model| {
+            bits(
+                &LocalPipeline::new(m, 2)
+                    .unwrap()
+                    .prefill_all(&gemm, &ids, 7)
+                    .unwrap(),
+            )
+        };
+        assert_eq!(logits(&streamed), logits(&resident), "{name}: logits");
+        assert!(
+            streamed.stream_stats().reads >= 3,
+            "{name}: layers really read from disk"
+        );
+
+        // Hop by hop, traced: prefill then single positions, outputs and trace roots equal.
+        let run = |m: &Model| {
+            let mut cache = dc_model::KvCache::new(&m.config, 0..4);
+            let mut out = Vec::new();
+            let mut pos = 0;
+            for n in [5, 1, 1, 3] {
+                let x = resident.embed(&ids[pos..pos + n], pos).unwrap();
+                let mut trace = dc_model::trace::HopTrace::from_position(pos);
+                let (y, _) = m.run_layers_kept(&gemm, x, &mut cache, &mut trace).unwrap();
+                out.push((bits(&y.data), trace.root()));
+                pos += n;
+            }
+            out
+        };
+        assert_eq!(run(&streamed), run(&resident), "{name}: hops");
+    }
+}

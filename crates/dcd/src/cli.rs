@@ -382,6 +382,27 @@ pub enum BenchCommand {
     Model(BenchModelArgs),
     /// Decode speed with and without prompt-lookup speculation, on repetitive and free text.
     Speculative(BenchSpeculativeArgs),
+    /// Prefill and decode with the layers a memory budget does not hold streamed from the
+    /// weight cache, at several budgets.
+    Stream(BenchStreamArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchStreamArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Budgets to measure, as fractions of the layers' packed size (1 holds every layer).
+    #[arg(long, value_delimiter = ',', default_values_t = [1.0, 0.5, 0.25])]
+    pub budgets: Vec<f64>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens to decode for the decode measurement.
+    #[arg(long, default_value_t = 16)]
+    pub decode_tokens: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -32,7 +32,7 @@ impl LayerChecker {
     pub fn new(model: &Model, layer: usize, secret: &[u8; 32]) -> Result<LayerChecker> {
         let l = model
             .layer(layer)
-            .ok_or_else(|| ModelError::Input(format!("layer {layer} is not loaded")))?;
+            .ok_or_else(|| ModelError::Input(format!("layer {layer} is not loaded")))??;
         let products = l
             .linear_points()
             .iter()

@@ -86,6 +86,8 @@ pub fn status(d: &Daemon, connections: &[ConnectionInfo]) -> Value {
         "memory": {
             "budget": node.cfg.max_memory,
             "weights": node.weights_bytes(),
+            "streamed_layers": serving.as_ref().map_or(0, |s| s.model.stream_stats().layers.len()),
+            "layer_reads": serving.as_ref().map_or(0, |s| s.model.stream_stats().reads),
             "kv_caches": d.stage.cache_bytes(),
         },
         "generations": {

@@ -323,7 +323,10 @@ impl Node {
     /// The memory our weights take (estimate).
     pub fn weights_bytes(&self) -> u64 {
         self.serving().map_or(0, |s| {
-            s.layers.len() as u64 * layer_bytes(&self.model_cfg)
+            // Streamed layers take memory only while in the window.
+            let streamed = s.model.stream_stats().layers.len();
+            let held = s.layers.len() as usize - streamed + streamed.min(dc_model::stream::WINDOW);
+            held as u64 * layer_bytes(&self.model_cfg)
                 + if s.head {
                     head_bytes(&self.model_cfg)
                 } else {

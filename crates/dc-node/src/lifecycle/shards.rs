@@ -18,20 +18,23 @@ use crate::core::{LayerChoice, Node, Serving};
 use crate::daemon::Daemon;
 
 /// Loads `layers` (and the head weights if `head`) on the compute pool, after fetching their
-/// pieces from peers if this daemon's model is fetched.
+/// pieces from peers if this daemon's model is fetched. Layers beyond what `--max-memory`
+/// holds are streamed from the weight cache ([`resident_layers`]).
 pub async fn load(d: &Daemon, layers: LayerRange, head: bool) -> Result<Serving, String> {
     d.weights.ensure(layers, head).await?;
     let node = &d.node;
+    let resident = resident_layers(node, layers, head)?;
     let (path, data_dir) = (node.cfg.model.clone(), node.cfg.data_dir.clone());
     tokio::task::spawn_blocking(move || {
-        let model = Model::load(
-            &path,
-            &LoadOptions {
-                layers: Some(layers.as_range()),
-                head,
-                cache_in: Some(data_dir),
-            },
-        )
+        let opts = LoadOptions {
+            layers: Some(layers.as_range()),
+            head,
+            cache_in: Some(data_dir),
+        };
+        let model = match resident {
+            Some(r) => Model::load_streaming(&path, &opts, r),
+            None => Model::load(&path, &opts),
+        }
         .map_err(|e| format!("loading layers {layers}: {e}"))?;
         Ok(Serving {
             model: Arc::new(model),
@@ -41,6 +44,24 @@ pub async fn load(d: &Daemon, layers: LayerRange, head: bool) -> Result<Serving,
     })
     .await
     .map_err(|e| e.to_string())?
+}
+
+/// How many of `layers` stay in memory when they do not all fit the memory budget (`None`:
+/// they fit). The rest are streamed, with room kept for the streamed window.
+fn resident_layers(node: &Node, layers: LayerRange, head: bool) -> Result<Option<usize>, String> {
+    let fit = layers_that_fit(&node.model_cfg, node.cfg.max_memory, head) as usize;
+    let want = layers.len() as usize;
+    if want <= fit {
+        return Ok(None);
+    }
+    if fit < dc_model::stream::WINDOW {
+        return Err(format!(
+            "--max-memory holds {fit} layers{}: streaming layers {layers} from disk needs room for {}",
+            if head { " next to the head weights" } else { "" },
+            dc_model::stream::WINDOW
+        ));
+    }
+    Ok(Some(fit - dc_model::stream::WINDOW))
 }
 
 /// Decode tokens per second of our layers (a few single-position laps on random activations).

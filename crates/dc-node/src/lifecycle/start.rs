@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use super::events::{on_net_event, spawn_event_handler, spawn_generation_streams};
 use super::gossip::announce;
 use super::shards::{choose_auto, load, measure_throughput, periodic};
-use crate::core::memory::{head_bytes, layer_bytes};
+use crate::core::memory::{head_bytes, layer_bytes, layers_that_fit};
 use crate::core::{LayerChoice, Node, NodeConfig, NodeParts, MAX_ANNOUNCEMENT};
 use crate::daemon::Daemon;
 use crate::stage::HopRunner;
@@ -226,25 +226,36 @@ async fn serve_layers(d: &Daemon) -> Result<(), String> {
     node.set_serving(load(d, layers, fits_head).await?);
     node.set_throughput(measure_throughput(node).await);
     node.set_state(PeerState::Serving);
+    let streamed = node
+        .serving()
+        .map_or(0, |s| s.model.stream_stats().layers.len());
     println!(
-        "serving layers {layers} of {}{}",
+        "serving layers {layers} of {}{}{}",
         node.model_cfg.num_layers,
         if fits_head {
             " with the head weights"
         } else {
             ""
+        },
+        if streamed > 0 {
+            format!(" ({streamed} streamed from the weight cache)")
+        } else {
+            String::new()
         }
     );
     announce(d).await;
     Ok(())
 }
 
-/// Whether the head weights fit the memory budget next to `layers`.
+/// Whether the head weights fit the memory budget next to `layers`, or next to the window of
+/// layers streamed when `layers` do not all fit.
 fn head_fits(node: &Node, layers: LayerRange) -> bool {
     let cfg = &node.model_cfg;
-    node.cfg
-        .max_memory
-        .is_none_or(|m| head_bytes(cfg) + layers.len() as u64 * layer_bytes(cfg) <= m)
+    let least = (layers.len() as usize).min(dc_model::stream::WINDOW);
+    node.cfg.max_memory.is_none_or(|m| {
+        head_bytes(cfg) + layers.len() as u64 * layer_bytes(cfg) <= m
+            || layers_that_fit(cfg, Some(m), true) as usize >= least
+    })
 }
 
 /// Leaves gracefully: announces it, finishes what we serve (15 s at most), announces again.

@@ -93,7 +93,12 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
 
 /// Prefill and decode rates of the whole pipeline, tokens per second (medians of three runs,
 /// each decoding `decode` tokens sampled from the logits).
-fn plain_rates(model: &Model, gemm: &Gemm, prompt: &[u32], decode: usize) -> Result<(f64, f64)> {
+pub(super) fn plain_rates(
+    model: &Model,
+    gemm: &Gemm,
+    prompt: &[u32],
+    decode: usize,
+) -> Result<(f64, f64)> {
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         let mut p = LocalPipeline::new(model, 1)?;
@@ -633,7 +638,7 @@ fn policy_batch(
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }

@@ -6,6 +6,7 @@
 mod bench;
 mod bench_model;
 mod bench_speculative;
+mod bench_stream;
 mod client;
 mod config_cmd;
 mod dashboard;
@@ -33,6 +34,7 @@ pub fn run(mut cli: Cli) -> Result<ExitCode> {
         Command::Bench(BenchCommand::Gemm(a)) => bench::gemm(g, a),
         Command::Bench(BenchCommand::Model(a)) => bench_model::bench_model(g, a),
         Command::Bench(BenchCommand::Speculative(a)) => bench_speculative::bench_speculative(g, a),
+        Command::Bench(BenchCommand::Stream(a)) => bench_stream::bench_stream(g, a),
         // Through a daemon's control API when `--api` is given, else in this process.
         Command::Generate(a) => match &a.api {
             Some(api) => swarm::generate_api(a, api),
