@@ -15,8 +15,13 @@ use crate::fetched::{fetched_folder, FetchedModel};
 use crate::manifest::{Manifest, MANIFEST_VERSION};
 
 /// A fingerprint of the files behind a model (paths, sizes, modification times): the cache key
-/// of its manifest and of its quantised weights.
+/// of its manifest and of its quantised weights. A fetched model's is its id: its files change
+/// as pieces arrive, but every piece is the one the id names.
 pub fn source_fingerprint(path: &Path) -> Result<Commitment> {
+    if let Some(dir) = fetched_folder(path) {
+        let id = FetchedModel::open(&dir)?.id();
+        return Ok(Domain::CacheKey.hash_parts(&[b"fetched model", &id.0]));
+    }
     let mut files: Vec<std::path::PathBuf> = if path.is_dir() {
         std::fs::read_dir(path)
             .map_err(|e| ModelError::io(path, e))?
