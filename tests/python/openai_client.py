@@ -46,6 +46,18 @@ class Checks:
         return bool(self.results) and all(r["ok"] for r in self.results)
 
 
+
+def with_budget(kw, i, tight, roomy):
+    """Ask number `i`'s budget and sampling: every fourth greedy on a tight budget, the others
+    greedy and seeded in turn on a roomy one."""
+    if i % 4 == 3:
+        kw.update(max_tokens=tight, temperature=0)
+    elif i % 2:
+        kw.update(max_tokens=roomy, temperature=0.8, seed=i)
+    else:
+        kw.update(max_tokens=roomy, temperature=0)
+    return kw
+
 def chat_stream(client, **kw):
     """Concatenated content, finish reason, first delta's role and usage of a streamed chat."""
     text, finish, role, usage, chunks = "", None, None, None, 0
@@ -307,12 +319,7 @@ def main():
         for i, ask in enumerate(asks):
             kw = dict(model=model, messages=[{"role": "user", "content": ask}],
                       response_format={"type": "json_object"})
-            if i % 4 == 3:
-                kw.update(max_tokens=6, temperature=0)
-            elif i % 2:
-                kw.update(max_tokens=64, temperature=0.8, seed=i)
-            else:
-                kw.update(max_tokens=64, temperature=0)
+            with_budget(kw, i, tight=6, roomy=64)
             a = client.chat.completions.create(**kw)
             text = a.choices[0].message.content
             try:
@@ -381,12 +388,7 @@ def main():
             kw = dict(model=model, messages=[{"role": "user", "content": ask}],
                       response_format={"type": "json_schema",
                                        "json_schema": {"name": f"answer_{k}", "schema": schema, "strict": True}})
-            if k % 4 == 3:
-                kw.update(max_tokens=64, temperature=0)
-            elif k % 2:
-                kw.update(max_tokens=128, temperature=0.8, seed=k)
-            else:
-                kw.update(max_tokens=128, temperature=0)
+            with_budget(kw, k, tight=64, roomy=128)
             a = client.chat.completions.create(**kw)
             text = a.choices[0].message.content
             try:

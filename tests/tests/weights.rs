@@ -58,6 +58,14 @@ fn printed(d: &Daemon, prefix: &str) -> Option<String> {
         .cloned()
 }
 
+/// A stage `b` serving `layers` without the head, started with only the model id of `a`,
+/// whom it bootstraps to; and that id.
+fn fetching_stage(dir: &Path, a: &Daemon, layers: &str) -> (Daemon, String) {
+    let id = a.status()["model_id"].as_str().unwrap().to_string();
+    let args = ["--layers", layers, "--no-head", "--bootstrap", &a.addr];
+    (Daemon::start(dir, "b", Path::new(&id), &args), id)
+}
+
 /// The held pieces of a fetched model, as its list on disk says.
 fn held(f: &FetchedModel) -> BTreeSet<u32> {
     let all: Vec<u32> = (0..f.manifest().pieces.len() as u32).collect();
@@ -70,14 +78,8 @@ fn daemons_with_only_the_model_id_fetch_their_layers_and_give_the_same_bits() {
     let model = smollm2();
     let dir = tempfile::tempdir().unwrap();
     let a = Daemon::start(dir.path(), "a", &model, &["--layers", "15..30"]);
-    let id = a.status()["model_id"].as_str().unwrap().to_string();
     // A stage with no file at all: it fetches layers 0..15 and nothing of the head.
-    let b = Daemon::start(
-        dir.path(),
-        "b",
-        Path::new(&id),
-        &["--layers", "0..15", "--no-head", "--bootstrap", &a.addr],
-    );
+    let (b, id) = fetching_stage(dir.path(), &a, "0..15");
     let f = fetched(&b, &id);
     let wanted: BTreeSet<u32> = f.manifest().needed(0..15, false).into_iter().collect();
     assert_eq!(
@@ -194,13 +196,7 @@ fn a_hugging_face_folder_is_fetched_as_well() {
     let model = fixtures().join("llama");
     let dir = tempfile::tempdir().unwrap();
     let a = Daemon::start(dir.path(), "a", &model, &["--layers", "2..4"]);
-    let id = a.status()["model_id"].as_str().unwrap().to_string();
-    let b = Daemon::start(
-        dir.path(),
-        "b",
-        Path::new(&id),
-        &["--layers", "0..2", "--no-head", "--bootstrap", &a.addr],
-    );
+    let (b, id) = fetching_stage(dir.path(), &a, "0..2");
     let f = fetched(&b, &id);
     // The configuration and the safetensors header came whole; a folder model opens from
     // the folder.

@@ -180,7 +180,9 @@ fn read_held(dir: &Path, manifest: &Manifest) -> Result<BTreeSet<u32>> {
         .collect()
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `bytes` to `path` through a temporary file and a rename (a crash never leaves half a
+/// file), synced.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
     f.write_all(bytes).map_err(|e| ModelError::io(&tmp, e))?;

@@ -75,10 +75,7 @@ pub fn model_manifest(path: &Path, data_dir: &Path) -> Result<(Vec<u8>, Commitme
     let bytes = Manifest::of_model(path)?.encode()?;
     // The cache is an optimisation: failing to write it is not an error.
     if std::fs::create_dir_all(&dir).is_ok() {
-        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &bytes).is_ok() {
-            let _ = std::fs::rename(&tmp, &file);
-        }
+        let _ = crate::fetched::write_atomically(&file, &bytes);
     }
     let id = Manifest::id_of(&bytes);
     Ok((bytes, id))

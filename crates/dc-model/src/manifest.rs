@@ -25,6 +25,7 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::hf::SafetensorsSource;
 use crate::source::TensorSource;
+use crate::store::is_store_name;
 
 /// Bumped whenever what a manifest says (or how it is encoded) changes.
 pub const MANIFEST_VERSION: u32 = 1;
@@ -133,16 +134,6 @@ pub fn model_root(model: &Path) -> PathBuf {
     }
 }
 
-/// Whether `name` may name a file of a model: a plain file name, nothing that leaves the folder.
-fn is_file_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 255
-        && !name.starts_with('.')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-}
-
 impl Manifest {
     /// The manifest of the model at `path` (a GGUF file or a Hugging Face folder), hashing
     /// every piece.
@@ -188,7 +179,7 @@ impl Manifest {
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
-            .filter(|n| is_file_name(n))
+            .filter(|n| is_store_name(n))
             .ok_or_else(|| {
                 ModelError::Input(format!(
                     "{}: a model shared with peers needs a plain file name (letters, digits, - _ .)",
@@ -245,7 +236,7 @@ impl Manifest {
                 .path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
-                .filter(|n| is_file_name(n))
+                .filter(|n| is_store_name(n))
                 .ok_or_else(|| ModelError::format(&s.path, "not a plain file name"))?;
             let len = std::fs::metadata(&s.path)
                 .map_err(|e| ModelError::io(&s.path, e))?
@@ -261,7 +252,7 @@ impl Manifest {
                 .any(|x| p.extension().is_some_and(|e| e == *x));
             if !small
                 || shard_names.contains(&p)
-                || !is_file_name(&name)
+                || !is_store_name(&name)
                 || name.starts_with("dcd-")
             {
                 continue;
@@ -372,7 +363,7 @@ impl Manifest {
         }
         let mut names = HashSet::new();
         for f in &self.files {
-            if !is_file_name(&f.name) || f.name.starts_with("dcd-") {
+            if !is_store_name(&f.name) || f.name.starts_with("dcd-") {
                 return bad(format!("file name {:?}", f.name));
             }
             if !names.insert(f.name.as_str()) {
