@@ -427,6 +427,9 @@ pub struct QuantizedRows {
     qa: Vec<i8>,
     scales: Vec<BlockScale>,
     mult: Vec<i32>,
+    /// Per row and block, `−128 · Σ_t q_t`: a kernel that feeds the weights to `vpdpbusd` as
+    /// unsigned bytes `w + 128` starts each block's sum here, so it ends at the block's `D`.
+    offset_sums: Vec<i32>,
     meta: Vec<RowMeta>,
 }
 
@@ -479,6 +482,12 @@ impl QuantizedRows {
         let blocks = k.div_ceil(BLOCK);
         let width = blocks * BLOCK;
         let mut mult = vec![0i32; rows * blocks];
+        let offset_sums = qa
+            .chunks_exact(width.max(1))
+            .step_by(2)
+            .flat_map(|row| row.chunks_exact(BLOCK))
+            .map(|block| -128 * block.iter().map(|&q| q as i32).sum::<i32>())
+            .collect();
         let mut meta = Vec::with_capacity(rows);
         for r in 0..rows {
             let sc = &scales[r * blocks..(r + 1) * blocks];
@@ -509,6 +518,7 @@ impl QuantizedRows {
             qa,
             scales,
             mult,
+            offset_sums,
             meta,
         }
     }
@@ -538,15 +548,13 @@ impl QuantizedRows {
         let width = self.blocks * BLOCK;
         &self.qa[2 * row * width..(2 * row + 1) * width]
     }
-    /// Magnitudes of a row's elements, as the bits of a `u8` (they directly follow
-    /// [`QuantizedRows::row_q`] in memory: `row_q(r).as_ptr() + blocks · 32`).
-    pub(crate) fn row_abs(&self, row: usize) -> &[i8] {
-        let width = self.blocks * BLOCK;
-        &self.qa[(2 * row + 1) * width..(2 * row + 2) * width]
-    }
     /// `m · 2^(e - exp_min)` per block of a fast row.
     pub(crate) fn row_mult(&self, row: usize) -> &[i32] {
         &self.mult[row * self.blocks..(row + 1) * self.blocks]
+    }
+    /// `−128 · Σ q` per block of a row (see the field).
+    pub(crate) fn row_offset_sums(&self, row: usize) -> &[i32] {
+        &self.offset_sums[row * self.blocks..(row + 1) * self.blocks]
     }
     /// The fast-path facts of a row.
     pub fn meta(&self, row: usize) -> RowMeta {

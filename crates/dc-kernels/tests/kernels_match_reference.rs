@@ -4,7 +4,7 @@
 use dc_kernels::conformance::{matrix, Style};
 use dc_kernels::rng::SplitMix64;
 use dc_kernels::verify::commit::commit_gemm;
-use dc_kernels::{Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
+use dc_kernels::{BlockScale, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
 use proptest::prelude::*;
 
 fn style() -> impl Strategy<Value = Style> {
@@ -115,6 +115,52 @@ proptest! {
                     (Err(a), Err(b)) => prop_assert_eq!(a, b),
                     (a, b) => prop_assert!(false, "{kernel}: {b:?} vs reference {a:?}"),
                 }
+            }
+        }
+    }
+
+    /// Elements at the extremes (±127, 0): the block sums reach `±32 · 127²`, and a kernel
+    /// that offsets one operand to unsigned bytes carries its largest correction.
+    #[test]
+    fn blocks_of_extreme_elements_equal_the_reference(
+        m in 1usize..12,
+        k in 1usize..200,
+        n in 1usize..40,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix64::new(seed);
+        let blocks = k.div_ceil(32);
+        // Per row, some blocks of one value throughout and some mixed: both reach the bounds.
+        let mut extreme = |rows: usize| -> Vec<i8> {
+            let mut q = Vec::with_capacity(rows * blocks * 32);
+            for _ in 0..rows {
+                for _ in 0..blocks {
+                    let whole = rng.next_u64();
+                    for _ in 0..32 {
+                        let draw = if whole.is_multiple_of(3) { whole >> 8 } else { rng.next_u64() };
+                        q.push([127i8, -127, 0, 127, -127][(draw % 5) as usize]);
+                    }
+                }
+                // Zero padding past k, as quantisation leaves it.
+                let row = q.len() - blocks * 32;
+                q[row + k..].fill(0);
+            }
+            q
+        };
+        let xq = extreme(m);
+        let wq = extreme(n);
+        let scale = |r: u64| BlockScale { m: 128 + (r % 128) as u8, e: (r % 9) as i16 - 4 };
+        let xs: Vec<BlockScale> = (0..m * blocks).map(|_| scale(rng.next_u64())).collect();
+        let ws: Vec<BlockScale> = (0..n * blocks).map(|_| scale(rng.next_u64())).collect();
+        let qx = QuantizedRows::from_parts(m, k, xq, xs);
+        let qw = PackedWeights::from_columns(k, n, &wq, &ws);
+        let (want, want_acc) = run(&Gemm::new(Kernel::Scalar, 1).unwrap(), &qx, &qw);
+        let want_acc = want_acc.expect("small exponents never overflow");
+        for kernel in Kernel::supported() {
+            for threads in [1, 2] {
+                let (got, got_acc) = run(&Gemm::new(kernel, threads).unwrap(), &qx, &qw);
+                prop_assert_eq!(&want, &got, "{} × {} threads", kernel, threads);
+                prop_assert_eq!(&want_acc, &got_acc.expect("as the reference"));
             }
         }
     }

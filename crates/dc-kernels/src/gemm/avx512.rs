@@ -2,13 +2,22 @@
 //! i32 lanes), the same packed layout as AVX2, combined across blocks exactly in 64-bit lanes.
 //!
 //! Exactness argument, per block and column:
-//! - the weights are negated where the activation is negative (masked byte subtract), and
-//!   `vpdpbusd` multiplies `|x|` (≤ 127, unsigned) by them and adds groups of four into i32
-//!   without saturation: the block's `|D| <= 32 · 127² < 2^19`;
+//! - `vpdpbusd` multiplies unsigned bytes by signed ones and adds groups of four into i32. In
+//!   a tile of rows the weights go in as the unsigned `w + 128` (one `vpxord` with 0x80, shared
+//!   by the tile's rows) and the activations as they are, so the sum is `D + 128 · Σ x`; it
+//!   starts at the row's `−128 · Σ x` for the block (`QuantizedRows::row_offset_sums`) and ends
+//!   at `D`. Every partial sum is below `128 · 32 · 127 + 32 · 255 · 127 < 2^21`. A single row
+//!   (decode) instead negates the weights where the activation is negative and multiplies `|x|`
+//!   by them. Either way nothing saturates or wraps, and `|D| <= 32 · 127² < 2^19`;
 //! - `vpmulld` by the column's `m_w` keeps `D · m_w < 2^27`;
 //! - `vpmuldq` by the row's `m_x · 2^(e_x - e_min)` (< 2^31) and `vpsllvq` by the column's
 //!   `e_w - e_min` give the exact block term in i64, and the bounds checked before the tile keep
 //!   every partial sum below 2^63 (rows that fail take the exact fallback).
+//!
+//! Why the tiles take that form: their inner loop is one broadcast load and one `vpdpbusd` per
+//! row and group of four, where the sign form needs a sign mask and a masked subtract per row
+//! as well; what is left per block is the exact combination (8 vector instructions per row and
+//! block against 8 `vpdpbusd`), which is what bounds the kernel at prefill shapes.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -20,8 +29,10 @@ use crate::error::Result;
 use crate::pack::{PackedWeights, PANEL, RECORD, RECORD_Q};
 use crate::quant::{QuantizedRows, BLOCK};
 
-/// Rows per tile (AVX-512 has 32 vector registers).
-const MR: usize = 8;
+/// Rows per tile. Measured against 5, 6 and 8 (`dcd bench gemm`, prefill shapes, AMD EPYC
+/// with AVX-512): 4 is as fast or faster, because past it the 2 × rows i64 accumulators, the
+/// block sums and the epilogue's operands no longer fit the 32 registers and spill.
+const MR: usize = 4;
 
 /// Whether this CPU can run the kernel.
 pub(crate) fn supported() -> bool {
@@ -65,13 +76,13 @@ unsafe fn run_avx512(
                 n += 1;
                 if n == MR {
                     // SAFETY: features present; rows in range and fast against this panel.
-                    unsafe { tile8(x, &pending, w, p, sink)? };
+                    unsafe { tile4(x, &pending, w, p, sink)? };
                     n = 0;
                 }
             }
             for &row in &pending[..n] {
                 // SAFETY: as above.
-                unsafe { tile1(x, &[row], w, p, sink)? };
+                unsafe { row1(x, row, w, p, sink)? };
             }
         }
         r0 = r1;
@@ -95,9 +106,10 @@ macro_rules! tile_fn {
             let nb = w.blocks();
             let base = w.data()[panel * nb * RECORD..(panel + 1) * nb * RECORD].as_ptr();
             let xq: [*const i8; $rows] = rows.map(|r| x.row_q(r).as_ptr());
-            let xa: [*const u8; $rows] = rows.map(|r| x.row_abs(r).as_ptr() as *const u8);
+            let xo: [*const i32; $rows] = rows.map(|r| x.row_offset_sums(r).as_ptr());
             let xm: [*const i32; $rows] = rows.map(|r| x.row_mult(r).as_ptr());
             let zero = _mm512_setzero_si512();
+            let to_unsigned = _mm512_set1_epi8(i8::MIN);
             let mut acc = [[zero; 2]; $rows];
             for b in 0..nb {
                 // SAFETY (all pointer arithmetic below): `base` spans nb records of RECORD
@@ -106,47 +118,119 @@ macro_rules! tile_fn {
                 let rec = unsafe { base.add(b * RECORD) };
                 let mw = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(rec.add(RECORD_Q) as _) });
                 let mut d = [zero; $rows];
+                $( d[$r] = _mm512_set1_epi32(unsafe { *xo[$r].add(b) }); )+
                 for kg in 0..BLOCK / 4 {
                     let wv = unsafe { _mm512_loadu_si512(rec.add(kg * 64) as _) };
+                    let wu = _mm512_xor_si512(wv, to_unsigned);
                     let off = b * BLOCK + kg * 4;
                     $(
                         let xs = _mm512_set1_epi32(unsafe { (xq[$r].add(off) as *const i32).read_unaligned() });
-                        let xb = _mm512_set1_epi32(unsafe { (xa[$r].add(off) as *const i32).read_unaligned() });
-                        let neg = _mm512_movepi8_mask(xs);
-                        let ws = _mm512_mask_sub_epi8(wv, neg, zero, wv);
-                        d[$r] = _mm512_dpbusd_epi32(d[$r], xb, ws);
+                        d[$r] = _mm512_dpbusd_epi32(d[$r], wu, xs);
                     )+
                 }
-                let sh = unsafe { rec.add(RECORD_Q + PANEL) };
-                let se = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh as _) });
-                let so = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh.add(8) as _) });
-                $(
-                    let dm = _mm512_mullo_epi32(d[$r], mw);
-                    let rm = _mm512_set1_epi64(unsafe { *xm[$r].add(b) } as i64);
-                    let te = _mm512_sllv_epi64(_mm512_mul_epi32(dm, rm), se);
-                    let to = _mm512_sllv_epi64(_mm512_mul_epi32(_mm512_srli_epi64::<32>(dm), rm), so);
-                    acc[$r][0] = _mm512_add_epi64(acc[$r][0], te);
-                    acc[$r][1] = _mm512_add_epi64(acc[$r][1], to);
-                )+
+                // SAFETY: `rec` is the block's whole record.
+                $( unsafe { add_block_term(&mut acc[$r], d[$r], mw, *xm[$r].add(b), rec) }; )+
             }
             for r in 0..$rows {
-                // The AVX2 epilogue's lane order: columns [0,2,4,6], [1,3,5,7], [8,..,14],
-                // [9,..,15] (the even columns' sums are `acc[r][0]`, the odd ones' `acc[r][1]`).
-                let (even, odd) = (acc[r][0], acc[r][1]);
-                let lanes = [
-                    _mm512_castsi512_si256(even),
-                    _mm512_castsi512_si256(odd),
-                    _mm512_extracti64x4_epi64::<1>(even),
-                    _mm512_extracti64x4_epi64::<1>(odd),
-                ];
-                let ex = x.meta(rows[r]).exp_min;
-                // SAFETY: AVX-512F implies AVX2.
-                unsafe { finish_row(sink, rows[r], w, panel, ex, lanes)? };
+                // SAFETY: features present; the row is in range.
+                unsafe { finish(sink, x, rows[r], w, panel, acc[r])? };
             }
             Ok(())
         }
     };
 }
 
-tile_fn!(tile8, 8, [0, 1, 2, 3, 4, 5, 6, 7]);
-tile_fn!(tile1, 1, [0]);
+tile_fn!(tile4, 4, [0, 1, 2, 3]);
+
+/// One row × one panel, all blocks: the decode shape, where each panel streams from memory
+/// once. Here the weights stay signed and take the activation's sign (a sign mask and a masked
+/// byte subtract, `vpdpbusd` of `|x|` by them): with one row nothing shares the weights' offset
+/// to unsigned, and this form measured faster on decode (`perf` samples of the kernel on
+/// SmolLM2 decode, AMD EPYC with AVX-512: about 10 % fewer than the tiles' form).
+///
+/// # Safety
+/// The features must be present; the row must be in range and fast against the panel.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn row1(
+    x: &QuantizedRows,
+    row: usize,
+    w: &PackedWeights,
+    panel: usize,
+    sink: &Sink,
+) -> Result<()> {
+    let nb = w.blocks();
+    let base = w.data()[panel * nb * RECORD..(panel + 1) * nb * RECORD].as_ptr();
+    let xq = x.row_q(row);
+    let xm = x.row_mult(row);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [zero; 2];
+    for b in 0..nb {
+        // SAFETY (pointer arithmetic): `base` spans nb records of RECORD bytes, the row nb · 32
+        // elements, and every offset stays inside those spans.
+        let rec = unsafe { base.add(b * RECORD) };
+        let mut d = zero;
+        for kg in 0..BLOCK / 4 {
+            let wv = unsafe { _mm512_loadu_si512(rec.add(kg * 64) as _) };
+            let at = b * BLOCK + kg * 4;
+            let xs =
+                _mm512_set1_epi32(unsafe { (xq.as_ptr().add(at) as *const i32).read_unaligned() });
+            let xb = _mm512_abs_epi8(xs);
+            let neg = _mm512_movepi8_mask(xs);
+            let ws = _mm512_mask_sub_epi8(wv, neg, zero, wv);
+            d = _mm512_dpbusd_epi32(d, xb, ws);
+        }
+        let mw = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(rec.add(RECORD_Q) as _) });
+        // SAFETY: `rec` is the block's whole record.
+        unsafe { add_block_term(&mut acc, d, mw, xm[b], rec) };
+    }
+    // SAFETY: features present; the row is in range.
+    unsafe { finish(sink, x, row, w, panel, acc) }
+}
+
+/// Adds one block's exact term to a row's accumulators (the even columns' i64 sums, then the
+/// odd ones'): `D · m_w` by the row's multiplier `rm`, shifted by each column's shift, both
+/// read from the block's record `rec`.
+///
+/// # Safety
+/// The features must be present and `rec` point at a whole record.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn add_block_term(acc: &mut [__m512i; 2], d: __m512i, mw: __m512i, rm: i32, rec: *const u8) {
+    // SAFETY: `rec` is a whole record; its shifts are the 16 bytes after the 16 mantissas.
+    let sh = unsafe { rec.add(RECORD_Q + PANEL) };
+    let se = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh as _) });
+    let so = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh.add(8) as _) });
+    let dm = _mm512_mullo_epi32(d, mw);
+    let rm = _mm512_set1_epi64(rm as i64);
+    let te = _mm512_sllv_epi64(_mm512_mul_epi32(dm, rm), se);
+    let to = _mm512_sllv_epi64(_mm512_mul_epi32(_mm512_srli_epi64::<32>(dm), rm), so);
+    acc[0] = _mm512_add_epi64(acc[0], te);
+    acc[1] = _mm512_add_epi64(acc[1], to);
+}
+
+/// Rounds and stores a row's sums against a panel, in the AVX2 epilogue's lane order: columns
+/// [0,2,4,6], [1,3,5,7], [8,..,14], [9,..,15] (`acc[0]` holds the even columns, `acc[1]` the
+/// odd ones).
+///
+/// # Safety
+/// The features must be present and `row` be in range.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn finish(
+    sink: &Sink,
+    x: &QuantizedRows,
+    row: usize,
+    w: &PackedWeights,
+    panel: usize,
+    acc: [__m512i; 2],
+) -> Result<()> {
+    let [even, odd] = acc;
+    let lanes = [
+        _mm512_castsi512_si256(even),
+        _mm512_castsi512_si256(odd),
+        _mm512_extracti64x4_epi64::<1>(even),
+        _mm512_extracti64x4_epi64::<1>(odd),
+    ];
+    // SAFETY: AVX-512F implies AVX2.
+    unsafe { finish_row(sink, row, w, panel, x.meta(row).exp_min, lanes) }
+}
