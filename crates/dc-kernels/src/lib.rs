@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod buffer;
 pub mod conformance;
+pub mod cpu;
 pub mod elementwise;
 pub mod error;
 pub mod exact;

@@ -27,10 +27,12 @@ pub fn run(global: &Global, args: &SelftestArgs) -> Result<ExitCode> {
     let ok = gold.failures.is_empty() && conf.failures.is_empty() && gold.checks > 0;
     let secs = start.elapsed().as_secs_f64();
     let names: Vec<&str> = kernels.iter().map(|k| k.name()).collect();
+    let amx = dc_kernels::cpu::Amx::detect();
     if args.json {
         let v = json!({
             "ok": ok,
             "kernels": names,
+            "amx": format!("{amx:?}").to_lowercase(),
             "threads": threads,
             "golden": {"sets": gold.sets, "checks": gold.checks, "failures": gold.failures},
             "conformance": {
@@ -42,6 +44,7 @@ pub fn run(global: &Global, args: &SelftestArgs) -> Result<ExitCode> {
         println!("{v}");
     } else if !global.quiet {
         println!("kernels on this CPU: {}", names.join(", "));
+        println!("AMX: {}", amx.describe());
         println!(
             "golden vectors: {} sets, {} values checked, {} failures",
             gold.sets,
