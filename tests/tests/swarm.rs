@@ -349,3 +349,77 @@ fn a_daemon_joins_and_one_leaves_gracefully() {
         "the leaver is forgotten"
     );
 }
+
+/// Generations that reach a stage together are stacked there (one GEMM per product for all
+/// their rows), and each still gets exactly the bits of a local run: the tokens, logits and
+/// log-probabilities, and commitments the head's spot checks find true.
+#[test]
+fn concurrent_generations_stacked_at_a_stage_equal_local_runs() {
+    let model = dc_model::store::installed_smollm2()
+        .expect("SmolLM2 is not installed: run scripts/fetch-model.sh");
+    let m = model.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let a = Daemon::start(dir.path(), "a", &model, &["--layers", "0..15"]);
+    let b = Daemon::start(
+        dir.path(),
+        "b",
+        &model,
+        &["--layers", "15..30", "--no-head", "--bootstrap", &a.addr],
+    );
+    wait_until("full coverage", Duration::from_secs(30), || {
+        coverage_complete(&a, 30)
+    });
+    let args = |seed: usize| -> Vec<String> {
+        [
+            "--prompt-ids",
+            "504,3458,282,4649,314",
+            "--max-new-tokens",
+            "24",
+            "--temperature",
+            "0.8",
+            "--seed",
+            &seed.to_string(),
+            "--ignore-eos",
+            "--top-logprobs",
+            "2",
+            "--speculative",
+            "off",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let api = a.api.clone();
+    let swarm: Vec<Value> = std::thread::scope(|s| {
+        let runs: Vec<_> = (0..6)
+            .map(|seed| {
+                let (api, args) = (&api, args(seed));
+                s.spawn(move || {
+                    let mut all = vec!["--api", api.as_str()];
+                    all.extend(args.iter().map(String::as_str));
+                    generate_json(&all)
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for (seed, got) in swarm.iter().enumerate() {
+        let args = args(seed);
+        let mut local = vec!["--model", m, "--local"];
+        local.extend(args.iter().map(String::as_str));
+        let want = generate_json(&local);
+        for key in ["tokens", "final_logits", "logprobs"] {
+            assert_eq!(got[key], want[key], "seed {seed}: {key}");
+        }
+    }
+    let (sa, sb) = (a.status(), b.status());
+    assert!(
+        sb["hops_stacked"].as_u64() > Some(0) && sa["hops_stacked"].as_u64() > Some(0),
+        "six generations at once were never stacked: a {}, b {}",
+        sa["hops_stacked"],
+        sb["hops_stacked"]
+    );
+    let spot = &sa["audits"]["spot_checks"];
+    assert!(spot["run"].as_u64() > Some(0), "{spot}");
+    assert_eq!(spot["failed"], 0, "{spot}");
+    assert_eq!(sa["excluded_peers"], serde_json::json!([]), "{sa}");
+}

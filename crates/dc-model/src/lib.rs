@@ -7,6 +7,7 @@
 
 pub mod activations;
 pub mod attention;
+mod compute;
 pub mod config;
 pub mod error;
 pub mod fetched;
@@ -37,7 +38,7 @@ pub use activations::Activations;
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use kv_cache::KvCache;
-pub use model::{LoadOptions, Model};
+pub use model::{HopInput, LoadOptions, Model};
 pub use source::{TensorInfo, TensorSource};
 pub use verify::{
     check_cache_rows, check_parts, check_picks, draw_checks, gemms_per_layer, goal_rate,

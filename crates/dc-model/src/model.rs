@@ -4,7 +4,8 @@
 //!
 //! Every row (position) is computed independently except inside attention, and attention reads
 //! the cache only through exact products, so splitting the layers, chunking the prefill or
-//! decoding token by token never changes a bit (tested in `tests/exactness.rs`).
+//! decoding token by token never changes a bit (tested in `tests/exactness.rs`); nor does
+//! running several generations' hops stacked ([`Model::run_hops_kept`]).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -13,12 +14,10 @@ use std::sync::Arc;
 
 use dc_kernels::elementwise::{gelu_tanh, layer_norm, rms_norm, silu_mul, RopeTable};
 use dc_kernels::verify::commit::LeafBatch;
-use dc_kernels::{Commitment, Gemm, KernelError, QuantizedRows};
+use dc_kernels::{Gemm, KernelError, QuantizedRows};
 
 use crate::activations::Activations;
-use crate::attention::{
-    attend_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
-};
+use crate::compute::{Compute, QueuedLayer, Stacked};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
@@ -26,11 +25,9 @@ use crate::open::open_source;
 use crate::source::TensorSource;
 use crate::stream::{LayerRef, Streamed};
 use crate::trace::{HopTrace, Point};
-use crate::verify::kept::{Kept, KeptHop, KeptLayer};
+use crate::verify::kept::{KeptHop, KeptLayer};
 use crate::weight_cache::WeightCache;
-use crate::weights::{
-    check_range, load_head, load_layer, Head, KeptProduct, Layer, Mlp, Norm, RowLeaves,
-};
+use crate::weights::{check_range, load_head, load_layer, Head, Layer, Mlp, Norm};
 
 /// Where a block's products come from: run on the weights (a stage), or revealed by a stage
 /// and checked (a spot check). The glue between them is the same code either way, so a check
@@ -51,6 +48,11 @@ pub(crate) trait Products {
     /// part it drew; a stage never stops).
     fn more(&self) -> bool {
         true
+    }
+    /// The position of row `row` of a block over rows from `start` (RoPE's angle): `start +
+    /// row`, except where rows of several hops are stacked ([`crate::compute::Stacked`]).
+    fn position(&self, start: usize, row: usize) -> usize {
+        start + row
     }
     /// What `quantized(point, …)` would hand on, `rows × k`, when it is certain before the
     /// glue derives anything there: a check that tests nothing from the block's start (for
@@ -85,198 +87,33 @@ impl Glue<'_> {
     }
 }
 
-/// A stage's products: run on its weights and cache, committed into the trace and kept for
-/// reveals when asked.
-struct Compute<'a> {
-    model: &'a Model,
-    gemm: &'a Gemm,
-    layer: &'a Layer,
-    index: usize,
-    cache: &'a mut LayerCache,
-    /// `(first row's position, first committed position)` when committing.
-    first: Option<(usize, usize)>,
+/// One hop of [`Model::run_hops_kept`]: its input, its generation's cache and its trace.
+#[derive(Debug)]
+pub struct HopInput<'a> {
+    /// The activations entering the stage.
+    pub x: Activations,
+    /// The generation's cache of the stage's layers.
+    pub cache: &'a mut KvCache,
+    /// Where the hop's commitments go (committing from `x.start`).
+    pub trace: &'a mut HopTrace,
+}
+
+/// One hop as the forward pass runs it: traced and kept, or not.
+struct HopRun<'a> {
+    x: Activations,
+    cache: &'a mut KvCache,
     trace: Option<&'a mut HopTrace>,
-    keep: Option<&'a mut KeptLayer>,
-    /// Every leaf the layer commits (its products', cache rows' and attention rows'), hashed
-    /// together while the next layer computes ([`QueuedLayer`]): a decode step's rows are too
-    /// short to hash well one by one. Two batches take turns over a hop's layers, so their
-    /// buffers are allocated once.
-    batch: &'a mut LeafBatch,
-    /// Per queued set, its trace entry and, when keeping, its place among the kept.
-    queued: Vec<(usize, Option<usize>)>,
+    keep: Option<&'a mut KeptHop>,
 }
 
-impl Compute<'_> {
-    /// Records `point`'s entry for the set just queued, its commitment to come when the layer's
-    /// leaves are hashed; `keep` keeps its parts when the stage keeps the hop and says where.
-    fn queue_entry(&mut self, point: Point, keep: impl FnOnce(&mut KeptLayer) -> Option<usize>) {
-        let Some(t) = self.trace.as_deref_mut() else {
-            return;
-        };
-        t.push(self.index, point, Commitment::default());
-        let entry = t.entries.len() - 1;
-        let kept = self.keep.as_deref_mut().and_then(keep);
-        self.queued.push((entry, kept));
-    }
-
-    /// Queues the commitment of the layer's input `x`, from the trace's first position on
-    /// (what [`Activations::commitment`] of those rows gives), as its trace entry.
-    fn queue_input(&mut self, x: &Activations) {
-        let Some(t) = self.trace.as_deref() else {
-            return;
-        };
-        let skip = t.from.saturating_sub(x.start).min(x.rows());
-        self.batch
-            .activations(x.start + skip, x.hidden, &x.data[skip * x.hidden..]);
-        self.queue_entry(Point::Input, |_| None);
-    }
-}
-
-/// A layer whose leaves are queued in its batch, to be hashed while the next layer computes.
-struct QueuedLayer {
-    /// Per queued set, its trace entry and, when keeping, its place among the kept.
-    sets: Vec<(usize, Option<usize>)>,
-    /// Whether the batch is worth the engine's threads: a prefill's rows are; a decode step's
-    /// dozen messages (one per product, cache and attention row, and the layer's input) are
-    /// not: split between threads they fill the lanes half as well, for a hand-off that costs
-    /// about what it saves.
-    many: bool,
-    kept: Option<KeptLayer>,
-}
-
-impl QueuedLayer {
-    /// Puts each set's commitment into its trace entry and its leaves with what was kept of
-    /// it, then the kept layer into the hop (`hashed`: `None` when nothing was queued).
-    fn record(
-        mut self,
-        hashed: Option<dc_kernels::verify::commit::FinishedSets>,
-        trace: Option<&mut HopTrace>,
-        keep: Option<&mut KeptHop>,
-    ) {
-        if let Some(done) = hashed {
-            let mut trace = trace;
-            for (set, &(entry, kept)) in self.sets.iter().enumerate() {
-                if let Some(t) = trace.as_deref_mut() {
-                    t.entries[entry].commitment = done.commitments[set];
-                }
-                if let (Some(k), Some(at)) = (self.kept.as_mut(), kept) {
-                    k.set_leaves(at, done.leaves_of(set));
-                }
-            }
-        }
-        if let (Some(k), Some(l)) = (keep, self.kept) {
-            k.layers.push(l);
-        }
-    }
-}
-
-impl Products for Compute<'_> {
-    fn linear(&mut self, point: Point, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
-        let lin = self.layer.linear(point).ok_or_else(|| {
-            ModelError::Input(format!("layer {} has no {point:?} product", self.index))
-        })?;
-        let keep = self.keep.is_some();
-        // `first` is there exactly when the hop is traced.
-        let Some(at) = self.first else {
-            return lin
-                .forward_queued(self.gemm, x, out, None, false)
-                .map(|_| ());
-        };
-        if !point.output_committed() {
-            // Products that commit through the row the next glue step makes of them (k and v
-            // the cache row, the MLP's first products the hidden row); a stage keeping the hop
-            // keeps their accumulators to reveal (and a check to test) them.
-            let acc = lin.forward_queued(self.gemm, x, out, None, keep)?;
-            if let (Some(k), Some(acc)) = (self.keep.as_deref_mut(), acc) {
-                k.keep(point, Kept::Source(acc));
-            }
-            return Ok(());
-        }
-        let acc = lin.forward_queued(self.gemm, x, out, Some((at, &mut *self.batch)), keep)?;
-        self.queue_entry(point, |k| {
-            acc.map(|acc| {
-                k.keep(
-                    point,
-                    Kept::Gemm(KeptProduct {
-                        acc,
-                        leaves: RowLeaves::default(),
-                    }),
-                )
-            })
-        });
-        Ok(())
-    }
-
-    fn quantized(&mut self, point: Point, derived: QuantizedRows) -> Result<QuantizedRows> {
-        let Some((start, from)) = self.first else {
-            return Ok(derived);
-        };
-        self.batch.queue_quantized(&derived, start, from);
-        let k = derived.k();
-        let skip = from.saturating_sub(start).min(derived.rows());
-        self.queue_entry(point, |kept| {
-            let row_bytes = QuantizedRows::encoded_row_bytes(k);
-            let mut rows = Vec::with_capacity((derived.rows() - skip) * row_bytes);
-            for r in skip..derived.rows() {
-                derived.encode_row(r, &mut rows);
-            }
-            debug_assert_eq!(rows.len(), (derived.rows() - skip) * row_bytes);
-            Some(kept.keep(
-                point,
-                Kept::Leaves {
-                    cols: k,
-                    leaves: RowLeaves::default(),
-                    rows,
-                    row_bytes,
-                },
-            ))
-        });
-        Ok(derived)
-    }
-
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
-        let cfg = &self.model.config;
-        self.cache.append(k, v)?;
-        let mut ctx = vec![0f32; q.len()];
-        let shape = AttentionShape {
-            heads: cfg.num_heads,
-            kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            window: cfg.sliding_window,
-        };
-        let (cache, index) = (&*self.cache, self.index);
-        let kernel = AttentionKernel::Fast;
-        self.gemm
-            .install(|| attend_with(kernel, shape, cache, q, start, &mut ctx, index))?;
-        let Some((_, from)) = self.first else {
-            return Ok(ctx);
-        };
-        // The cache rows this hop appended (k and v commit through them): a set hashed with
-        // the layer's products. The context commits as the output projection takes it
-        // ([`Products::quantized`]), the scores through it.
-        let rows = q.len() / cfg.q_width();
-        let first = from.max(start);
-        let row_bytes = cache.row_bytes();
-        queue_cache_rows(
-            self.batch,
-            first,
-            row_bytes,
-            &cache.encode_rows(first..start + rows),
-        );
-        // Kept as leaves only: a check of k or v opens the row they make.
-        self.queue_entry(Point::KvCache, |k| {
-            Some(k.keep(
-                Point::KvCache,
-                Kept::Leaves {
-                    cols: row_bytes,
-                    leaves: RowLeaves::default(),
-                    rows: Vec::new(),
-                    row_bytes,
-                },
-            ))
-        });
-        Ok(ctx)
-    }
+/// A hop's state across its layers.
+struct HopState<'a> {
+    cache: &'a mut KvCache,
+    trace: Option<&'a mut HopTrace>,
+    keep: Option<&'a mut KeptHop>,
+    batches: [LeafBatch; 2],
+    /// The last layer, its leaves hashed while the next one computes.
+    waiting: Option<QueuedLayer>,
 }
 
 /// What to load.
@@ -534,10 +371,65 @@ impl Model {
         gemm: &Gemm,
         x: Activations,
         cache: &mut KvCache,
-        mut trace: Option<&mut HopTrace>,
-        mut keep: Option<&mut KeptHop>,
+        trace: Option<&mut HopTrace>,
+        keep: Option<&mut KeptHop>,
     ) -> Result<Activations> {
-        let range = cache.layers();
+        let hop = HopRun {
+            x,
+            cache,
+            trace,
+            keep,
+        };
+        let mut out = self.run_hops(gemm, vec![hop])?;
+        Ok(out.remove(0))
+    }
+
+    /// [`Model::run_layers_kept`] for several hops over the same layers at once (different
+    /// generations at one stage): their rows are stacked so each weight product is one GEMM
+    /// over all of them, the weights read from memory once (see `compute.rs`). Every bit of
+    /// every hop's output, trace and kept rows is what the hop alone would give (tested in
+    /// `tests/exactness.rs`).
+    ///
+    /// An error fails every hop of the batch and leaves their caches and traces part-way; each
+    /// hop can then be run alone on the same cache (a run first cuts its cache back to where
+    /// its input starts) with a fresh trace, which is how a stage finds the hop to blame.
+    pub fn run_hops_kept(
+        &self,
+        gemm: &Gemm,
+        hops: Vec<HopInput<'_>>,
+    ) -> Result<Vec<(Activations, KeptHop)>> {
+        if let Some(h) = hops.iter().find(|h| h.trace.from != h.x.start) {
+            return Err(ModelError::Input(format!(
+                "a hop from position {} that commits only from {} cannot keep its rows",
+                h.x.start, h.trace.from
+            )));
+        }
+        let mut kept: Vec<KeptHop> = hops.iter().map(|_| KeptHop::default()).collect();
+        let runs = hops
+            .into_iter()
+            .zip(kept.iter_mut())
+            .map(|(h, k)| HopRun {
+                x: h.x,
+                cache: h.cache,
+                trace: Some(h.trace),
+                keep: Some(k),
+            })
+            .collect();
+        let ys = self.run_hops(gemm, runs)?;
+        Ok(ys
+            .into_iter()
+            .zip(kept)
+            .map(|(y, mut k)| {
+                k.output = Some(y.clone());
+                (y, k)
+            })
+            .collect())
+    }
+
+    /// Checks hop `h`'s input against its cache and the model, and cuts its cache back to
+    /// where the input starts.
+    fn admit_hop(&self, h: &mut HopRun<'_>) -> Result<()> {
+        let (x, range) = (&h.x, h.cache.layers());
         let stage = format!("layers {}..{}", range.start, range.end);
         if x.hidden != self.config.hidden_size
             || !x.data.len().is_multiple_of(x.hidden)
@@ -549,11 +441,11 @@ impl Model {
                 self.config.hidden_size
             )));
         }
-        if x.start > cache.len() {
+        if x.start > h.cache.len() {
             return Err(ModelError::Input(format!(
                 "{stage}: activations start at position {} but the cache holds {} positions",
                 x.start,
-                cache.len()
+                h.cache.len()
             )));
         }
         if x.start + x.rows() > self.config.max_positions {
@@ -564,15 +456,46 @@ impl Model {
             )));
         }
         x.check_finite(&stage, &format!("{} (input)", range.start))?;
-        cache.truncate(x.start);
-        let mut x = x;
-        // Two batches taking turns: a layer's leaves are hashed while the next layer computes
-        // (side by side when the engine has threads to spare), each batch's buffers reused.
-        let mut batches = [LeafBatch::default(), LeafBatch::default()];
-        let mut waiting: Option<QueuedLayer> = None;
-        if let Some(k) = keep.as_deref_mut() {
-            k.layers.reserve(range.len());
+        h.cache.truncate(x.start);
+        Ok(())
+    }
+
+    /// Runs the hops' layers (every hop's cache covers the same ones), stacked when there are
+    /// several (see [`Model::run_hops_kept`]).
+    fn run_hops(&self, gemm: &Gemm, hops: Vec<HopRun<'_>>) -> Result<Vec<Activations>> {
+        let range = hops[0].cache.layers();
+        if let Some(h) = hops.iter().find(|h| h.cache.layers() != range) {
+            let other = h.cache.layers();
+            return Err(ModelError::Input(format!(
+                "hops over layers {}..{} and {}..{} cannot run together",
+                range.start, range.end, other.start, other.end
+            )));
         }
+        let stage = format!("layers {}..{}", range.start, range.end);
+        let mut hops = hops;
+        for h in hops.iter_mut() {
+            self.admit_hop(h)?;
+            if let Some(k) = h.keep.as_deref_mut() {
+                k.layers.reserve(range.len());
+            }
+        }
+        let mut xs: Vec<Activations> = Vec::with_capacity(hops.len());
+        let mut states: Vec<HopState<'_>> = hops
+            .into_iter()
+            .map(|h| {
+                xs.push(h.x);
+                HopState {
+                    cache: h.cache,
+                    trace: h.trace,
+                    keep: h.keep,
+                    // Two batches taking turns: a layer's leaves are hashed while the next
+                    // layer computes (side by side when the engine has threads to spare),
+                    // each batch's buffers reused.
+                    batches: [LeafBatch::default(), LeafBatch::default()],
+                    waiting: None,
+                }
+            })
+            .collect();
         for (ci, i) in range.clone().enumerate() {
             let layer = self.layer(i).ok_or_else(|| {
                 ModelError::Input(format!("layer {i} is not loaded in this stage"))
@@ -582,60 +505,134 @@ impl Model {
                 s.read_ahead(i + 1);
             }
             let layer = &*layer;
-            let [even, odd] = &mut batches;
-            let (now, before) = if ci % 2 == 0 {
-                (even, odd)
-            } else {
-                (odd, even)
-            };
-            let mut kept = keep.is_some().then(|| KeptLayer::new(i, x.clone()));
-            let mut products = Compute {
-                model: self,
-                gemm,
-                layer,
-                index: i,
-                cache: &mut cache.caches[ci],
-                first: trace.as_deref().map(|t| (x.start, t.from)),
-                trace: trace.as_deref_mut(),
-                keep: kept.as_mut(),
-                batch: now,
-                queued: Vec::new(),
-            };
-            products.queue_input(&x);
-            // (`None`: nothing to hash, an untraced hop.)
-            let previous = waiting
-                .as_ref()
-                .and_then(|w| (!w.sets.is_empty()).then_some(w.many));
+            let mut kept: Vec<Option<KeptLayer>> = states
+                .iter()
+                .zip(&xs)
+                .map(|(s, x)| s.keep.is_some().then(|| KeptLayer::new(i, x.clone())))
+                .collect();
+            let mut computes = Vec::with_capacity(states.len());
+            let mut before = Vec::with_capacity(states.len());
+            for ((s, kept), x) in states.iter_mut().zip(kept.iter_mut()).zip(&xs) {
+                let [even, odd] = &mut s.batches;
+                let (now, earlier) = if ci % 2 == 0 {
+                    (even, odd)
+                } else {
+                    (odd, even)
+                };
+                let mut products = Compute {
+                    model: self,
+                    gemm,
+                    layer,
+                    index: i,
+                    cache: &mut s.cache.caches[ci],
+                    first: s.trace.as_deref().map(|t| (x.start, t.from)),
+                    trace: s.trace.as_deref_mut(),
+                    keep: kept.as_mut(),
+                    batch: now,
+                    queued: Vec::new(),
+                };
+                products.queue_input(x);
+                computes.push(products);
+                // (`None`: nothing to hash, an untraced hop.)
+                let previous = s
+                    .waiting
+                    .as_ref()
+                    .and_then(|w| (!w.sets.is_empty()).then_some(w.many));
+                before.push((earlier, previous));
+            }
+            let glue = Glue::of(layer);
             let (y, hashed) = gemm.join(
-                || self.block(&Glue::of(layer), i, x, &mut products),
-                || previous.map(|many| gemm.finish_leaves(before, many)),
+                || self.stacked_block(&glue, i, &mut xs, &mut computes),
+                || {
+                    before
+                        .into_iter()
+                        .map(|(b, previous)| previous.map(|many| gemm.finish_leaves(b, many)))
+                        .collect::<Vec<_>>()
+                },
             );
-            let queued = QueuedLayer {
-                sets: std::mem::take(&mut products.queued),
-                many: products.batch.rows() > 32,
-                kept,
-            };
-            if let Some(w) = waiting.take() {
-                w.record(hashed, trace.as_deref_mut(), keep.as_deref_mut());
+            let queued: Vec<_> = computes
+                .into_iter()
+                .map(|c| (c.queued, c.batch.rows() > 32))
+                .collect();
+            for (((s, (sets, many)), kept), hashed) in
+                states.iter_mut().zip(queued).zip(kept).zip(hashed)
+            {
+                if let Some(w) = s.waiting.take() {
+                    w.record(hashed, s.trace.as_deref_mut(), s.keep.as_deref_mut());
+                }
+                s.waiting = Some(QueuedLayer { sets, many, kept });
             }
             // A stage's products never stop a block early.
-            x = y?.ok_or_else(|| ModelError::Input(format!("layer {i} stopped early")))?;
-            waiting = Some(queued);
-            x.check_finite(&stage, &i.to_string())?;
+            xs = y?.ok_or_else(|| ModelError::Input(format!("layer {i} stopped early")))?;
+            for x in &xs {
+                x.check_finite(&stage, &i.to_string())?;
+            }
         }
-        if let Some(w) = waiting.take() {
-            let last = &mut batches[(range.len() - 1) % 2];
-            let hashed = (!w.sets.is_empty()).then(|| gemm.finish_leaves(last, w.many));
-            w.record(hashed, trace.as_deref_mut(), keep);
+        for s in states.iter_mut() {
+            if let Some(w) = s.waiting.take() {
+                let last = &mut s.batches[(range.len() - 1) % 2];
+                let hashed = (!w.sets.is_empty()).then(|| gemm.finish_leaves(last, w.many));
+                w.record(hashed, s.trace.as_deref_mut(), s.keep.as_deref_mut());
+            }
         }
-        if let Some(t) = trace {
-            t.push(
-                range.end - 1,
-                Point::Output,
-                x.rows_from(t.from).commitment(),
-            );
+        for (s, x) in states.iter_mut().zip(&xs) {
+            if let Some(t) = s.trace.as_deref_mut() {
+                t.push(
+                    range.end - 1,
+                    Point::Output,
+                    x.rows_from(t.from).commitment(),
+                );
+            }
         }
-        Ok(x)
+        Ok(xs)
+    }
+
+    /// Layer `i`'s block over every hop's rows `xs` (taken, and left empty), one hop's
+    /// products or several stacked; the hops' outputs, or `None` if the block stopped early.
+    fn stacked_block(
+        &self,
+        glue: &Glue,
+        i: usize,
+        xs: &mut Vec<Activations>,
+        computes: &mut [Compute<'_>],
+    ) -> Result<Option<Vec<Activations>>> {
+        let xs = std::mem::take(xs);
+        if let [products] = computes {
+            let x = xs.into_iter().next().expect("one hop, one input");
+            return Ok(self.block(glue, i, x, products)?.map(|y| vec![y]));
+        }
+        let hidden = self.config.hidden_size;
+        let rows: Vec<usize> = xs.iter().map(Activations::rows).collect();
+        let positions = xs.iter().flat_map(Activations::positions).collect();
+        let starts: Vec<usize> = xs.iter().map(|x| x.start).collect();
+        let data = xs.into_iter().flat_map(|x| x.data).collect();
+        let x = Activations {
+            start: 0,
+            hidden,
+            data,
+        };
+        let mut stacked = Stacked {
+            hops: computes,
+            rows: rows.clone(),
+            positions,
+        };
+        let Some(y) = self.block(glue, i, x, &mut stacked)? else {
+            return Ok(None);
+        };
+        let mut at = 0;
+        Ok(Some(
+            rows.iter()
+                .zip(starts)
+                .map(|(&r, start)| {
+                    at += r;
+                    Activations {
+                        start,
+                        hidden,
+                        data: y.data[(at - r) * hidden..at * hidden].to_vec(),
+                    }
+                })
+                .collect(),
+        ))
     }
 
     fn norm(&self, n: &Norm, x: &[f32]) -> Vec<f32> {
@@ -743,12 +740,12 @@ impl Model {
             let hd = cfg.head_dim;
             for (t, row) in q.chunks_exact_mut(cfg.q_width()).enumerate() {
                 for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
+                    rope.apply(head, products.position(start, t));
                 }
             }
             for (t, row) in k.chunks_exact_mut(cfg.kv_width()).enumerate() {
                 for head in row.chunks_exact_mut(hd) {
-                    rope.apply(head, start + t);
+                    rope.apply(head, products.position(start, t));
                 }
             }
         }

@@ -51,20 +51,32 @@ impl Linear {
         commit: Option<((usize, usize), &mut LeafBatch)>,
         keep: bool,
     ) -> Result<Option<Accumulators>> {
-        out.clear();
-        out.resize(x.rows() * self.w.n(), 0.0);
-        let acc = match keep {
-            true => Some(gemm.matmul_exact(x, &self.w, out)?),
-            false => {
-                gemm.matmul(x, &self.w, out)?;
-                None
-            }
-        };
+        let acc = self.product(gemm, x, out, keep)?;
         if let Some(((first, from), batch)) = commit {
             batch.queue(out, (x.rows(), self.w.n()), first, from);
         }
         add_bias(self.bias.as_deref(), out);
         Ok(acc)
+    }
+
+    /// `out = x · W`, the product alone (no bias: what a commitment covers), with the exact
+    /// accumulators when `keep`.
+    pub fn product(
+        &self,
+        gemm: &Gemm,
+        x: &QuantizedRows,
+        out: &mut Vec<f32>,
+        keep: bool,
+    ) -> Result<Option<Accumulators>> {
+        out.clear();
+        out.resize(x.rows() * self.w.n(), 0.0);
+        Ok(match keep {
+            true => Some(gemm.matmul_exact(x, &self.w, out)?),
+            false => {
+                gemm.matmul(x, &self.w, out)?;
+                None
+            }
+        })
     }
 }
 

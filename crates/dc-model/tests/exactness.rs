@@ -418,3 +418,121 @@ fn streamed_layers_give_the_same_bits_and_commitments_as_resident_ones() {
         assert_eq!(run(&streamed), run(&resident), "{name}: hops");
     }
 }
+
+/// One generation's hops through layers 0..4: `(output bits, trace)` per hop.
+type Hops = Vec<(Vec<u32>, dc_model::trace::HopTrace)>;
+
+#[test]
+fn hops_of_several_generations_stacked_give_each_its_own_bits_and_commitments() {
+    for name in TINY {
+        let model = load(name);
+        let gemm = Gemm::new(Kernel::best(), 2).unwrap();
+        let ids = sequence(name);
+        // Three generations: (first token, tokens per hop); prompts of different lengths and
+        // places, then single tokens, one generation dropping out before the last step.
+        let plans: [(usize, &[usize]); 3] =
+            [(0, &[5, 1, 1, 1]), (3, &[7, 1, 1]), (9, &[1, 1, 1, 1])];
+        let embed = |g: usize, pos: usize, n: usize| {
+            let at = plans[g].0 + pos;
+            model.embed(&ids[at..at + n], pos).unwrap()
+        };
+        let alone: Vec<Hops> = (0..3)
+            .map(|g| {
+                let mut cache = dc_model::KvCache::new(&model.config, 0..4);
+                let mut pos = 0;
+                plans[g]
+                    .1
+                    .iter()
+                    .map(|&n| {
+                        let mut trace = dc_model::trace::HopTrace::from_position(pos);
+                        let x = embed(g, pos, n);
+                        let (y, _) = model
+                            .run_layers_kept(&gemm, x, &mut cache, &mut trace)
+                            .unwrap();
+                        pos += n;
+                        (bits(&y.data), trace)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut caches: Vec<_> = (0..3)
+            .map(|_| dc_model::KvCache::new(&model.config, 0..4))
+            .collect();
+        let mut pos = [0usize; 3];
+        let mut stacked: Vec<Hops> = vec![Vec::new(); 3];
+        for step in 0..4 {
+            let live: Vec<usize> = (0..3).filter(|&g| step < plans[g].1.len()).collect();
+            let mut traces: Vec<_> = live
+                .iter()
+                .map(|&g| dc_model::trace::HopTrace::from_position(pos[g]))
+                .collect();
+            let hops = caches
+                .iter_mut()
+                .enumerate()
+                .filter(|(g, _)| live.contains(g))
+                .zip(traces.iter_mut())
+                .map(|((g, cache), trace)| dc_model::HopInput {
+                    x: embed(g, pos[g], plans[g].1[step]),
+                    cache,
+                    trace,
+                })
+                .collect();
+            let out = model.run_hops_kept(&gemm, hops).unwrap();
+            for ((&g, (y, kept)), trace) in live.iter().zip(out).zip(traces) {
+                assert!(kept.bytes() > 0, "{name}: generation {g} kept its hop");
+                pos[g] += plans[g].1[step];
+                stacked[g].push((bits(&y.data), trace));
+            }
+        }
+        for g in 0..3 {
+            assert_eq!(stacked[g].len(), alone[g].len(), "{name}: generation {g}");
+            for (step, (s, a)) in stacked[g].iter().zip(&alone[g]).enumerate() {
+                assert_eq!(s.0, a.0, "{name}: generation {g}, hop {step}: output bits");
+                assert_eq!(s.1, a.1, "{name}: generation {g}, hop {step}: trace");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failed_stack_leaves_every_hop_able_to_run_alone() {
+    let name = TINY[0];
+    let model = load(name);
+    let gemm = Gemm::new(Kernel::best(), 2).unwrap();
+    let ids = sequence(name);
+    let mut good = dc_model::KvCache::new(&model.config, 0..4);
+    let mut bad = dc_model::KvCache::new(&model.config, 0..4);
+    let x = model.embed(&ids[..4], 0).unwrap();
+    let mut nan = model.embed(&ids[4..6], 0).unwrap();
+    nan.data[3] = f32::NAN;
+    let (mut t1, mut t2) = (
+        dc_model::trace::HopTrace::from_position(0),
+        dc_model::trace::HopTrace::from_position(0),
+    );
+    let hops = vec![
+        dc_model::HopInput {
+            x: x.clone(),
+            cache: &mut good,
+            trace: &mut t1,
+        },
+        dc_model::HopInput {
+            x: nan,
+            cache: &mut bad,
+            trace: &mut t2,
+        },
+    ];
+    let err = model.run_hops_kept(&gemm, hops).unwrap_err().to_string();
+    assert!(err.contains("NaN"), "the error names the bad value: {err}");
+    // The good hop, run again alone on the same cache, gives what it gives on a fresh one.
+    let mut trace = dc_model::trace::HopTrace::from_position(0);
+    let (again, _) = model
+        .run_layers_kept(&gemm, x.clone(), &mut good, &mut trace)
+        .unwrap();
+    let mut fresh_cache = dc_model::KvCache::new(&model.config, 0..4);
+    let mut fresh_trace = dc_model::trace::HopTrace::from_position(0);
+    let (fresh, _) = model
+        .run_layers_kept(&gemm, x, &mut fresh_cache, &mut fresh_trace)
+        .unwrap();
+    assert_eq!(bits(&again.data), bits(&fresh.data));
+    assert_eq!(trace, fresh_trace);
+}

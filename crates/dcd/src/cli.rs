@@ -385,6 +385,27 @@ pub enum BenchCommand {
     /// Prefill and decode with the layers a memory budget does not hold streamed from the
     /// weight cache, at several budgets.
     Stream(BenchStreamArgs),
+    /// Decode hops of several generations at one stage, one after another and stacked into
+    /// one pass.
+    Stack(BenchStackArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchStackArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Numbers of generations to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8])]
+    pub generations: Vec<usize>,
+    /// Prompt length each generation is prefilled with first.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: usize,
+    /// Decode steps measured.
+    #[arg(long, default_value_t = 16)]
+    pub decode_tokens: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -290,6 +290,40 @@ impl Accumulators {
         }
     }
 
+    /// These accumulators cut into consecutive row groups of `rows[0]`, `rows[1]`, … rows (a
+    /// product run over several hops' rows at once, handed back hop by hop). Each piece holds
+    /// exactly the values of its rows.
+    pub fn split_rows(&self, rows: &[usize]) -> Vec<Accumulators> {
+        assert_eq!(
+            rows.iter().sum::<usize>(),
+            self.rows,
+            "the groups cover every row"
+        );
+        let mut first = 0;
+        rows.iter()
+            .map(|&n| {
+                let span = first * self.cols..(first + n) * self.cols;
+                let wide = self
+                    .wide
+                    .iter()
+                    .filter(|(i, _)| span.contains(i))
+                    .map(|(i, v)| (i - span.start, v.clone()))
+                    .collect();
+                let piece = Accumulators {
+                    rows: n,
+                    cols: self.cols,
+                    sums: self.sums[span].to_vec(),
+                    row_unit: self.row_unit[first..first + n].to_vec(),
+                    col_unit: self.col_unit.clone(),
+                    wide,
+                    recycle: self.recycle.clone(),
+                };
+                first += n;
+                piece
+            })
+            .collect()
+    }
+
     /// The elements kept whole because they do not fit an `i64` in their unit.
     pub fn wide_count(&self) -> usize {
         self.wide.len()
@@ -597,6 +631,43 @@ mod tests {
 
     fn units(rows: usize, unit: i32) -> (Vec<i32>, Arc<[i32]>) {
         (vec![unit; rows], vec![0; 2 * PANEL].into())
+    }
+
+    #[test]
+    fn split_rows_gives_each_group_exactly_its_rows_values() {
+        let (rows, cols) = (5, 3);
+        let wide = Exact::Wide {
+            neg: true,
+            mag: vec![3, 1],
+            exp: 4,
+        };
+        let values: Vec<Exact> = (0..rows * cols)
+            .map(|i| match i {
+                10 => wide.clone(),
+                i => Exact::Small {
+                    mant: 2 * i as i64 + 1,
+                    exp: (i % 4) as i32 - 2,
+                },
+            })
+            .collect();
+        let acc = Accumulators::from_values(rows, cols, &values);
+        assert_eq!(acc.wide_count(), 1);
+        let pieces = acc.split_rows(&[2, 0, 3]);
+        assert_eq!(pieces.iter().map(|p| p.rows).collect::<Vec<_>>(), [2, 0, 3]);
+        let mut first = 0;
+        for p in &pieces {
+            for r in 0..p.rows {
+                for c in 0..cols {
+                    assert_eq!(p.get(r, c), values[(first + r) * cols + c], "({r}, {c})");
+                }
+            }
+            first += p.rows;
+        }
+        assert_eq!(
+            pieces[2].wide_count(),
+            1,
+            "the wide value goes with its row"
+        );
     }
 
     #[test]

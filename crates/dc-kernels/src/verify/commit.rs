@@ -441,11 +441,23 @@ impl LeafBatch {
     /// Queues, as one set, the leaves ([`quantized_row_leaf`]) of the rows of `x` (the first
     /// row at position `first`) from position `from` on; its commitment names `x.k()`.
     pub fn queue_quantized(&mut self, x: &QuantizedRows, first: usize, from: usize) {
-        let skip = from.saturating_sub(first).min(x.rows());
+        self.queue_quantized_rows(x, 0..x.rows(), first, from);
+    }
+
+    /// [`LeafBatch::queue_quantized`] of the rows `rows` of `x` alone, the first of them at
+    /// position `first` (one hop's rows of a product run over several hops).
+    pub fn queue_quantized_rows(
+        &mut self,
+        x: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        first: usize,
+        from: usize,
+    ) {
+        let skip = from.saturating_sub(first).min(rows.len());
         let mut bytes = Vec::new();
-        for r in skip..x.rows() {
+        for r in skip..rows.len() {
             bytes.clear();
-            x.encode_row(r, &mut bytes);
+            x.encode_row(rows.start + r, &mut bytes);
             self.leaf(
                 Domain::QuantizedRow,
                 &[

@@ -194,6 +194,12 @@ fn work(e: &mut Exposition, d: &Daemon) {
         stats.hops.load(Ordering::Relaxed),
     );
     e.single(
+        "dcd_hops_stacked_total",
+        Kind::Counter,
+        "Hops computed stacked with other generations' hops, one GEMM per product for all.",
+        stats.stacked_hops.load(Ordering::Relaxed),
+    );
+    e.single(
         "dcd_positions_served_total",
         Kind::Counter,
         "Positions (token rows) run through our layers.",

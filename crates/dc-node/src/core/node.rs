@@ -46,6 +46,8 @@ pub struct Serving {
 pub struct Stats {
     /// Hops served.
     pub hops: AtomicU64,
+    /// Hops computed stacked with other generations' hops (one GEMM per product for all).
+    pub stacked_hops: AtomicU64,
     /// Positions run through our layers.
     pub positions: AtomicU64,
     /// Tokens produced as head.

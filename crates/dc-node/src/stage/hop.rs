@@ -1,13 +1,14 @@
 //! Serving one hop: the checks that keep a hostile or confused peer from costing more than a
 //! refusal (model, layers, state, shape, size, the cache's owner and position), then the layers
-//! run on the compute pool by the stage's [`HopRunner`](super::runner::HopRunner), and a signed
-//! record of what was computed, chained to the generation's earlier inputs.
+//! run on the compute pool by the stage's [`HopRunner`](super::runner::HopRunner), batched with
+//! other generations' hops that wait at the same time (`queue.rs`), and a signed record of what
+//! was computed, chained to the generation's earlier inputs.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use dc_model::{Activations, KvCache};
-use dc_types::{Commitment, HopErrorKind, HopRecord, HopRequest, HopResponse, HopTrace, PeerState};
+use dc_types::{Commitment, HopErrorKind, HopRecord, HopRequest, HopResponse, PeerState};
 
 use super::runner::HopId;
 use super::server::Stage;
@@ -52,31 +53,21 @@ impl Stage {
         let Admitted {
             serving,
             x,
-            mut cache,
+            cache,
             previous,
         } = match self.admit(req, from) {
             Ok(a) => a,
             Err((kind, why)) => return refuse(kind, why),
         };
         let input = x.commitment();
-        let Ok(_permit) = self.compute.clone().acquire_owned().await else {
-            return refuse(HopErrorKind::Internal, "shutting down");
-        };
-        let (runner, gemm) = (self.runner.clone(), self.node.gemm.clone());
-        let result = tokio::task::spawn_blocking(move || {
-            let mut trace = HopTrace::from_position(x.start);
-            let out = runner.run(&serving.model, &gemm, x, &mut cache, &mut trace, hop);
-            (out.map(|(y, kept)| (y, kept, trace)), cache)
-        })
-        .await;
-        let (out, cache) = match result {
-            Ok(r) => r,
+        let (out, trace, cache) = match self.compute_hop(serving, x, cache, hop).await {
+            Ok(done) => done,
             Err(e) => {
                 self.caches(|c| c.put(generation, None));
                 return refuse(HopErrorKind::Internal, format!("compute task failed: {e}"));
             }
         };
-        let (y, kept, trace) = match out {
+        let (y, kept) = match out {
             Ok(done) => done,
             Err(e) => {
                 self.caches(|c| c.put(generation, None));

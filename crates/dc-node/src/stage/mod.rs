@@ -1,5 +1,6 @@
 //! The stage: the layers this daemon serves for every head that routes through it. It runs
-//! hops on its KV caches and signs a record of each (`hop.rs`), keeps the last hops and the
+//! hops on its KV caches, several generations' together when they arrive together
+//! (`queue.rs`), and signs a record of each (`hop.rs`), keeps the last hops and the
 //! cache rows so a head can check them (`reveal.rs`), and replays other stages' hops when a
 //! head audits them (`replay.rs`). Its state is one [`Stage`] (`server.rs`); how a hop is
 //! computed is its [`HopRunner`] (`runner.rs`), honest unless a test build was told to lie
@@ -12,6 +13,7 @@ mod caches;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod hop;
+mod queue;
 mod replay;
 mod reveal;
 mod runner;
@@ -19,5 +21,6 @@ mod server;
 
 pub use caches::{StageCaches, KEPT_BYTES, KEPT_HOPS};
 pub use hop::MAX_HOP_ROWS;
-pub use runner::{Honest, HopRunner};
+pub use queue::MAX_STACK;
+pub use runner::{Honest, HopResult, HopRunner, QueuedHop};
 pub use server::Stage;

@@ -5,7 +5,7 @@
 //! faults.
 
 use dc_kernels::{Commitment, Gemm};
-use dc_model::{Activations, KeptHop, KvCache, Model};
+use dc_model::{Activations, HopInput, KeptHop, KvCache, Model};
 use dc_types::{GenerationId, HopTrace};
 
 /// Which hop: its generation and step.
@@ -16,6 +16,23 @@ pub struct HopId {
     /// The step (0 for the first hop of a generation).
     pub step: u64,
 }
+
+/// One hop of a batch: what [`HopRunner::run`] takes, for several generations' hops that
+/// arrived together.
+#[derive(Debug)]
+pub struct QueuedHop<'a> {
+    /// The activations entering the stage.
+    pub x: Activations,
+    /// The generation's cache.
+    pub cache: &'a mut KvCache,
+    /// Where the hop's commitments go.
+    pub trace: &'a mut HopTrace,
+    /// Which hop.
+    pub hop: HopId,
+}
+
+/// What running one hop gives: its output and what is kept to reveal it.
+pub type HopResult = dc_model::Result<(Activations, KeptHop)>;
 
 /// Runs a stage's hops and says what it signs and sends for them.
 pub trait HopRunner: Send + Sync + std::fmt::Debug {
@@ -29,7 +46,15 @@ pub trait HopRunner: Send + Sync + std::fmt::Debug {
         cache: &mut KvCache,
         trace: &mut HopTrace,
         hop: HopId,
-    ) -> dc_model::Result<(Activations, KeptHop)>;
+    ) -> HopResult;
+
+    /// Runs several generations' hops over the same layers, each result what
+    /// [`HopRunner::run`] would give it (by default, one after another).
+    fn run_batch(&self, model: &Model, gemm: &Gemm, hops: Vec<QueuedHop<'_>>) -> Vec<HopResult> {
+        hops.into_iter()
+            .map(|h| self.run(model, gemm, h.x, h.cache, h.trace, h.hop))
+            .collect()
+    }
 
     /// The chain of inputs the record of `hop` names (honestly: `previous`).
     fn previous(&self, previous: Commitment, _hop: HopId) -> Commitment {
@@ -65,7 +90,43 @@ impl HopRunner for Honest {
         cache: &mut KvCache,
         trace: &mut HopTrace,
         _hop: HopId,
-    ) -> dc_model::Result<(Activations, KeptHop)> {
+    ) -> HopResult {
         model.run_layers_kept(gemm, x, cache, trace)
+    }
+
+    /// The hops stacked, each weight product one GEMM over all their rows
+    /// ([`Model::run_hops_kept`]: the same bits and commitments as one by one). If the stack
+    /// fails, every hop runs again alone, so only a hop that fails by itself fails.
+    fn run_batch(&self, model: &Model, gemm: &Gemm, hops: Vec<QueuedHop<'_>>) -> Vec<HopResult> {
+        if hops.len() < 2 {
+            return hops
+                .into_iter()
+                .map(|h| self.run(model, gemm, h.x, h.cache, h.trace, h.hop))
+                .collect();
+        }
+        let mut hops = hops;
+        let inputs = hops
+            .iter_mut()
+            .map(|h| HopInput {
+                x: h.x.clone(),
+                cache: &mut *h.cache,
+                trace: &mut *h.trace,
+            })
+            .collect();
+        match model.run_hops_kept(gemm, inputs) {
+            Ok(done) => done.into_iter().map(Ok).collect(),
+            Err(e) => {
+                tracing::debug!(
+                    "a stack of {} hops failed ({e}); running each alone",
+                    hops.len()
+                );
+                hops.into_iter()
+                    .map(|h| {
+                        *h.trace = HopTrace::from_position(h.trace.from);
+                        self.run(model, gemm, h.x, h.cache, h.trace, h.hop)
+                    })
+                    .collect()
+            }
+        }
     }
 }

@@ -1,15 +1,17 @@
 //! The stage's state: the KV caches it keeps for the generations it serves, the compute slots
-//! its hops and audit replays take, and the [`HopRunner`] that computes them. Requests reach it
-//! through the methods in `hop.rs` (hops), `reveal.rs` (reveals and cache rows) and `replay.rs`
-//! (audits of other stages); the node's shared state is read through `node`.
+//! its hops and audit replays take, the hops waiting to be batched, and the [`HopRunner`] that
+//! computes them. Requests reach it through the methods in `hop.rs` (hops), `queue.rs` (their
+//! batches), `reveal.rs` (reveals and cache rows) and `replay.rs` (audits of other stages); the
+//! node's shared state is read through `node`.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use dc_types::GenerationId;
 use tokio::sync::Semaphore;
 
 use super::caches::StageCaches;
+use super::queue::Waiting;
 use super::runner::HopRunner;
 use crate::core::Node;
 
@@ -31,6 +33,13 @@ pub struct Stage {
     pub(super) reveals_peak: std::sync::atomic::AtomicUsize,
     /// Computes the hops.
     pub(super) runner: Arc<dyn HopRunner>,
+    /// Hops admitted and waiting for a batch (`queue.rs`).
+    pub(super) waiting: Mutex<Vec<Waiting>>,
+    /// Held by the task running a batch of hops: one batch computes at a time, and what
+    /// arrives meanwhile forms the next.
+    pub(super) batch_slot: Arc<Semaphore>,
+    /// Names each waiting hop.
+    pub(super) tickets: AtomicU64,
 }
 
 impl Stage {
@@ -44,6 +53,9 @@ impl Stage {
             reveal_slots: Arc::new(Semaphore::new(REVEALS_AT_ONCE)),
             reveals_peak: std::sync::atomic::AtomicUsize::new(0),
             runner,
+            waiting: Mutex::new(Vec::new()),
+            batch_slot: Arc::new(Semaphore::new(1)),
+            tickets: AtomicU64::new(0),
         }
     }
 

@@ -6,6 +6,7 @@
 mod bench;
 mod bench_model;
 mod bench_speculative;
+mod bench_stack;
 mod bench_stream;
 mod client;
 mod config_cmd;
@@ -35,6 +36,7 @@ pub fn run(mut cli: Cli) -> Result<ExitCode> {
         Command::Bench(BenchCommand::Model(a)) => bench_model::bench_model(g, a),
         Command::Bench(BenchCommand::Speculative(a)) => bench_speculative::bench_speculative(g, a),
         Command::Bench(BenchCommand::Stream(a)) => bench_stream::bench_stream(g, a),
+        Command::Bench(BenchCommand::Stack(a)) => bench_stack::bench_stack(g, a),
         // Through a daemon's control API when `--api` is given, else in this process.
         Command::Generate(a) => match &a.api {
             Some(api) => swarm::generate_api(a, api),

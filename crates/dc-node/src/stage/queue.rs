@@ -1,0 +1,151 @@
+//! Hops waiting to compute, and the batches run from them.
+//!
+//! A stage computes one batch of hops at a time. Hops that arrive meanwhile wait here, and
+//! whichever of their tasks gets the batch slot next takes every waiting hop over the same
+//! layers (up to [`MAX_HOP_ROWS`] rows and [`MAX_STACK`] hops) into one batch, run by
+//! [`HopRunner::run_batch`]: concurrent generations' decode steps then read the weights once
+//! between them, which is what a decode step is bound by. The bits and commitments are each
+//! hop's own (see dc-model's `compute.rs`).
+//!
+//! Bounded: a hop waits here only after admission took its generation's cache, so there are
+//! at most as many as the stage holds caches (`max_generations` and the audit sessions).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use dc_kernels::Gemm;
+use dc_model::{Activations, KeptHop, KvCache};
+use dc_types::HopTrace;
+use tokio::sync::oneshot;
+
+use super::hop::MAX_HOP_ROWS;
+use super::runner::{HopId, HopRunner, QueuedHop};
+use super::server::Stage;
+use crate::core::Serving;
+
+/// Most hops one batch stacks.
+pub const MAX_STACK: usize = 16;
+
+/// What computing a hop gave: the output and what is kept, its trace, and its cache back.
+pub(super) type Computed = (dc_model::Result<(Activations, KeptHop)>, HopTrace, KvCache);
+
+/// A hop admitted and waiting for a batch.
+#[derive(Debug)]
+pub(super) struct Waiting {
+    ticket: u64,
+    serving: Arc<Serving>,
+    x: Activations,
+    cache: KvCache,
+    hop: HopId,
+    done: oneshot::Sender<Computed>,
+}
+
+impl Stage {
+    /// Computes hop `hop` over `x` on `cache`, in a batch with whatever other hops are waiting
+    /// when its turn comes. `Err` when the compute task failed (the cache is then lost).
+    pub(super) async fn compute_hop(
+        self: &Arc<Self>,
+        serving: Arc<Serving>,
+        x: Activations,
+        cache: KvCache,
+        hop: HopId,
+    ) -> Result<Computed, String> {
+        let (done, result) = oneshot::channel();
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        self.waiting(|w| {
+            w.push(Waiting {
+                ticket,
+                serving,
+                x,
+                cache,
+                hop,
+                done,
+            })
+        });
+        let slot = self
+            .batch_slot
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| "shutting down".to_string())?;
+        // Empty when another task's batch took this hop: its result comes from there.
+        let batch = self.waiting(|w| take_batch(w, ticket));
+        if !batch.is_empty() {
+            let Ok(_permit) = self.compute.clone().acquire_owned().await else {
+                return Err("shutting down".into());
+            };
+            if batch.len() > 1 {
+                let stacked = batch.len() as u64;
+                self.node
+                    .stats
+                    .stacked_hops
+                    .fetch_add(stacked, Ordering::Relaxed);
+            }
+            let (runner, gemm) = (self.runner.clone(), self.node.gemm.clone());
+            // A panic drops the batch's senders: each hop's task then reports the failure.
+            let _ = tokio::task::spawn_blocking(move || run_batch(&*runner, &gemm, batch)).await;
+        }
+        drop(slot);
+        result
+            .await
+            .map_err(|_| "the compute task failed".to_string())
+    }
+
+    fn waiting<T>(&self, f: impl FnOnce(&mut Vec<Waiting>) -> T) -> T {
+        f(&mut self.waiting.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// Takes from `waiting` the hop `ticket`, if it still waits, and every other waiting hop
+/// that can run with it: on the same loaded model and layers, within the bounds of a batch.
+fn take_batch(waiting: &mut Vec<Waiting>, ticket: u64) -> Vec<Waiting> {
+    let Some(at) = waiting.iter().position(|w| w.ticket == ticket) else {
+        return Vec::new();
+    };
+    let first = waiting.remove(at);
+    let (layers, mut rows) = (first.cache.layers(), first.x.rows());
+    let mut batch = vec![first];
+    let mut i = 0;
+    while i < waiting.len() && batch.len() < MAX_STACK {
+        let w = &waiting[i];
+        let fits = Arc::ptr_eq(&w.serving, &batch[0].serving)
+            && w.cache.layers() == layers
+            && rows + w.x.rows() <= MAX_HOP_ROWS;
+        if fits {
+            rows += w.x.rows();
+            batch.push(waiting.remove(i));
+        } else {
+            i += 1;
+        }
+    }
+    batch
+}
+
+/// Runs `batch` and hands each hop its result.
+fn run_batch(runner: &dyn HopRunner, gemm: &Gemm, batch: Vec<Waiting>) {
+    let serving = batch[0].serving.clone();
+    let mut parts: Vec<(KvCache, HopTrace, oneshot::Sender<Computed>)> = Vec::new();
+    let mut inputs = Vec::with_capacity(batch.len());
+    for w in batch {
+        inputs.push((w.x, w.hop));
+        parts.push((w.cache, HopTrace::from_position(0), w.done));
+    }
+    let hops = parts
+        .iter_mut()
+        .zip(inputs)
+        .map(|((cache, trace, _), (x, hop))| {
+            *trace = HopTrace::from_position(x.start);
+            QueuedHop {
+                x,
+                cache,
+                trace,
+                hop,
+            }
+        })
+        .collect();
+    let results = runner.run_batch(&serving.model, gemm, hops);
+    for (result, (cache, trace, done)) in results.into_iter().zip(parts) {
+        // (A hop whose task has gone, its requester disconnected, is dropped.)
+        let _ = done.send((result, trace, cache));
+    }
+}
