@@ -272,10 +272,13 @@ fn spans<'s, 'a>(
 
 impl Products for Stacked<'_, '_> {
     fn linear(&mut self, point: Point, x: &QuantizedRows, out: &mut Vec<f32>) -> Result<()> {
-        let (lin, gemm, keep) = {
+        let (lin, gemm) = {
             let first = &self.hops[0];
-            (first.product_at(point)?, first.gemm, first.keeps())
+            (first.product_at(point)?, first.gemm)
         };
+        // The accumulators are kept when any hop keeps them; a hop that does not drops its
+        // piece.
+        let keep = self.hops.iter().any(Compute::keeps);
         let acc = lin.product(gemm, x, out, keep)?;
         let (n, bias) = (lin.w.n(), lin.bias.as_deref());
         let mut pieces = acc.map(|a| a.split_rows(&self.rows).into_iter());

@@ -96,6 +96,9 @@ pub struct HopInput<'a> {
     pub cache: &'a mut KvCache,
     /// Where the hop's commitments go (committing from `x.start`).
     pub trace: &'a mut HopTrace,
+    /// Whether to keep what a reveal of the hop needs (a hop nobody will ask to reveal, such
+    /// as a head's own, is only committed).
+    pub keep: bool,
 }
 
 /// One hop as the forward pass runs it: traced and kept, or not.
@@ -390,6 +393,8 @@ impl Model {
     /// every hop's output, trace and kept rows is what the hop alone would give (tested in
     /// `tests/exactness.rs`).
     ///
+    /// A hop not asked to `keep` comes back with an empty [`KeptHop`].
+    ///
     /// An error fails every hop of the batch and leaves their caches and traces part-way; each
     /// hop can then be run alone on the same cache (a run first cuts its cache back to where
     /// its input starts) with a fresh trace, which is how a stage finds the hop to blame.
@@ -405,6 +410,7 @@ impl Model {
             )));
         }
         let mut kept: Vec<KeptHop> = hops.iter().map(|_| KeptHop::default()).collect();
+        let keeps: Vec<bool> = hops.iter().map(|h| h.keep).collect();
         let runs = hops
             .into_iter()
             .zip(kept.iter_mut())
@@ -412,15 +418,18 @@ impl Model {
                 x: h.x,
                 cache: h.cache,
                 trace: Some(h.trace),
-                keep: Some(k),
+                keep: h.keep.then_some(k),
             })
             .collect();
         let ys = self.run_hops(gemm, runs)?;
         Ok(ys
             .into_iter()
             .zip(kept)
-            .map(|(y, mut k)| {
-                k.output = Some(y.clone());
+            .zip(keeps)
+            .map(|((y, mut k), keep)| {
+                if keep {
+                    k.output = Some(y.clone());
+                }
                 (y, k)
             })
             .collect())

@@ -60,7 +60,7 @@ impl Stage {
             Err((kind, why)) => return refuse(kind, why),
         };
         let input = x.commitment();
-        let (out, trace, cache) = match self.compute_hop(serving, x, cache, hop).await {
+        let (out, trace, cache) = match self.compute_hop(serving, x, cache, (hop, keep)).await {
             Ok(done) => done,
             Err(e) => {
                 self.caches(|c| c.put(generation, None));

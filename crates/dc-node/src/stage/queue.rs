@@ -37,18 +37,20 @@ pub(super) struct Waiting {
     x: Activations,
     cache: KvCache,
     hop: HopId,
+    keep: bool,
     done: oneshot::Sender<Computed>,
 }
 
 impl Stage {
-    /// Computes hop `hop` over `x` on `cache`, in a batch with whatever other hops are waiting
-    /// when its turn comes. `Err` when the compute task failed (the cache is then lost).
+    /// Computes hop `hop` over `x` on `cache` (keeping what a reveal needs when `keep`), in a
+    /// batch with whatever other hops are waiting when its turn comes. `Err` when the compute
+    /// task failed (the cache is then lost).
     pub(super) async fn compute_hop(
         self: &Arc<Self>,
         serving: Arc<Serving>,
         x: Activations,
         cache: KvCache,
-        hop: HopId,
+        (hop, keep): (HopId, bool),
     ) -> Result<Computed, String> {
         let (done, result) = oneshot::channel();
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
@@ -59,6 +61,7 @@ impl Stage {
                 x,
                 cache,
                 hop,
+                keep,
                 done,
             })
         });
@@ -121,29 +124,32 @@ fn take_batch(waiting: &mut Vec<Waiting>, ticket: u64) -> Vec<Waiting> {
     batch
 }
 
-/// Runs `batch` and hands each hop its result.
+/// Runs `batch` and hands each hop its result. The whole batch runs on the engine's pool: a
+/// decode hop is dozens of short products, and handing each layer to the pool from outside
+/// costs a wake-up of its threads every time.
 fn run_batch(runner: &dyn HopRunner, gemm: &Gemm, batch: Vec<Waiting>) {
     let serving = batch[0].serving.clone();
     let mut parts: Vec<(KvCache, HopTrace, oneshot::Sender<Computed>)> = Vec::new();
     let mut inputs = Vec::with_capacity(batch.len());
     for w in batch {
-        inputs.push((w.x, w.hop));
+        inputs.push((w.x, w.hop, w.keep));
         parts.push((w.cache, HopTrace::from_position(0), w.done));
     }
     let hops = parts
         .iter_mut()
         .zip(inputs)
-        .map(|((cache, trace, _), (x, hop))| {
+        .map(|((cache, trace, _), (x, hop, keep))| {
             *trace = HopTrace::from_position(x.start);
             QueuedHop {
                 x,
                 cache,
                 trace,
                 hop,
+                keep,
             }
         })
         .collect();
-    let results = runner.run_batch(&serving.model, gemm, hops);
+    let results = gemm.install(|| runner.run_batch(&serving.model, gemm, hops));
     for (result, (cache, trace, done)) in results.into_iter().zip(parts) {
         // (A hop whose task has gone, its requester disconnected, is dropped.)
         let _ = done.send((result, trace, cache));

@@ -29,6 +29,20 @@ pub struct QueuedHop<'a> {
     pub trace: &'a mut HopTrace,
     /// Which hop.
     pub hop: HopId,
+    /// Whether a reveal may ask for it (not a head's own hop): then what it needs is kept.
+    pub keep: bool,
+}
+
+impl QueuedHop<'_> {
+    /// The hop as the model runs it (its input copied: a failed stack runs it again).
+    fn input(&mut self) -> HopInput<'_> {
+        HopInput {
+            x: self.x.clone(),
+            cache: &mut *self.cache,
+            trace: &mut *self.trace,
+            keep: self.keep,
+        }
+    }
 }
 
 /// What running one hop gives: its output and what is kept to reveal it.
@@ -95,35 +109,25 @@ impl HopRunner for Honest {
     }
 
     /// The hops stacked, each weight product one GEMM over all their rows
-    /// ([`Model::run_hops_kept`]: the same bits and commitments as one by one). If the stack
-    /// fails, every hop runs again alone, so only a hop that fails by itself fails.
+    /// ([`Model::run_hops_kept`]: the same bits and commitments as one by one), a hop nobody
+    /// will ask to reveal only committed. If a stack fails, every hop runs again alone, so only
+    /// a hop that fails by itself fails.
     fn run_batch(&self, model: &Model, gemm: &Gemm, hops: Vec<QueuedHop<'_>>) -> Vec<HopResult> {
-        if hops.len() < 2 {
-            return hops
-                .into_iter()
-                .map(|h| self.run(model, gemm, h.x, h.cache, h.trace, h.hop))
-                .collect();
-        }
         let mut hops = hops;
-        let inputs = hops
-            .iter_mut()
-            .map(|h| HopInput {
-                x: h.x.clone(),
-                cache: &mut *h.cache,
-                trace: &mut *h.trace,
-            })
-            .collect();
+        let inputs = hops.iter_mut().map(QueuedHop::input).collect();
         match model.run_hops_kept(gemm, inputs) {
             Ok(done) => done.into_iter().map(Ok).collect(),
+            Err(e) if hops.len() == 1 => vec![Err(e)],
             Err(e) => {
                 tracing::debug!(
                     "a stack of {} hops failed ({e}); running each alone",
                     hops.len()
                 );
-                hops.into_iter()
+                hops.iter_mut()
                     .map(|h| {
                         *h.trace = HopTrace::from_position(h.trace.from);
-                        self.run(model, gemm, h.x, h.cache, h.trace, h.hop)
+                        let mut one = model.run_hops_kept(gemm, vec![h.input()])?;
+                        Ok(one.remove(0))
                     })
                     .collect()
             }

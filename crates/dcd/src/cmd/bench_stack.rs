@@ -74,6 +74,7 @@ pub fn bench_stack(global: &Global, a: &BenchStackArgs) -> Result<ExitCode> {
                         x: model.embed(&[token(i, pos)], pos)?,
                         cache,
                         trace,
+                        keep: true,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
