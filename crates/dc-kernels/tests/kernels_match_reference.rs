@@ -286,6 +286,56 @@ fn wide_fast_path_sums_occur_in_the_test_above() {
 }
 
 #[test]
+fn narrow_tiles_near_2_51_and_wider_ones_occur_in_the_test_above() {
+    // The IFMA kernel keeps the sums of tiles bounded below 2^51 modulo 2^52 and takes the
+    // i64 path for the others: the generator above gives both, the narrow ones with sums of
+    // 49 bits and more, of both signs.
+    let (m, k, n) = (8, 256, 32);
+    let (mut narrow_bits, mut narrow_negative, mut wider) = (0u32, false, false);
+    for span in 0..=16 {
+        let mut rng = SplitMix64::new(span as u64);
+        let x = aligned(&mut rng, m, k, span);
+        let w = aligned(&mut rng, n, k, span);
+        let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
+        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
+        let mut y = vec![0f32; m * n];
+        let acc = Gemm::new(Kernel::Scalar, 1)
+            .unwrap()
+            .matmul_exact(&qx, &qw, &mut y)
+            .unwrap();
+        for r in 0..m {
+            for c in 0..n {
+                let Some(bound) = fast_bound(&qx, r, &qw, c / 16) else {
+                    continue;
+                };
+                if bound >= 1 << 51 {
+                    wider = true;
+                    continue;
+                }
+                let unit = qx.meta(r).exp_min + qw.col_exp_min(c);
+                let Exact::Small { mant, exp } = acc.get(r, c) else {
+                    panic!("a narrow sum is below 2^63");
+                };
+                let bits = 64 - mant.unsigned_abs().leading_zeros() + (exp - unit) as u32;
+                narrow_bits = narrow_bits.max(bits);
+                narrow_negative |= mant < 0 && bits >= 49;
+            }
+        }
+        let (want, want_acc) = run(&Gemm::new(Kernel::Scalar, 1).unwrap(), &qx, &qw);
+        for kernel in Kernel::supported() {
+            let (got, got_acc) = run(&Gemm::new(kernel, 1).unwrap(), &qx, &qw);
+            assert_eq!(want, got, "{kernel}, span {span}");
+            assert_eq!(want_acc.as_ref().ok(), got_acc.as_ref().ok(), "{kernel}");
+        }
+    }
+    assert!(
+        (49..=51).contains(&narrow_bits),
+        "narrow sums reach {narrow_bits} bits"
+    );
+    assert!(narrow_negative && wider);
+}
+
+#[test]
 fn large_products_agree_across_kernels_and_threads() {
     // Big enough for several row chunks, full tiles and every panel split.
     let (m, k, n) = (37, 1000, 131);

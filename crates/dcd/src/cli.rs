@@ -16,7 +16,7 @@ pub struct Cli {
 /// Options every command takes.
 #[derive(Debug, Args)]
 pub struct Global {
-    /// GEMM kernel: auto, scalar, avx2 or avx512 (every kernel gives the same bits)
+    /// GEMM kernel: auto, scalar, avx2, avx512 or avx512-ifma (every kernel gives the same bits)
     /// [env: DCD_KERNEL; default: auto].
     #[arg(long = "kernel", global = true, value_name = "KERNEL")]
     pub kernel_flag: Option<String>,

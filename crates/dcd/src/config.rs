@@ -33,7 +33,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "kernel",
-        "GEMM kernel: auto, scalar, avx2 or avx512 (all give the same bits)",
+        "GEMM kernel: auto, scalar, avx2, avx512 or avx512-ifma (all give the same bits)",
     ),
     ("threads", "compute threads: auto (all cores) or a number"),
     ("data_dir", "identity key, installed models and caches"),
