@@ -7,6 +7,10 @@
 //! between them, which is what a decode step is bound by. The bits and commitments are each
 //! hop's own (see dc-model's `compute.rs`).
 //!
+//! Decode laps (a token and its guesses, at most [`SHORT_ROWS`] rows) and longer hops (a
+//! prompt's) batch in two lanes, each with a batch computing at a time: one user's long prompt
+//! never holds every other generation's next token behind it.
+//!
 //! Bounded: a hop waits here only after admission took its generation's cache, so there are
 //! at most as many as the stage holds caches (`max_generations` and the audit sessions).
 
@@ -25,6 +29,14 @@ use crate::core::Serving;
 
 /// Most hops one batch stacks.
 pub const MAX_STACK: usize = 16;
+
+/// Most rows of a hop in the decode lane: one token and the most a head guesses after it.
+pub const SHORT_ROWS: usize = 1 + dc_model::speculative::MAX_DRAFT;
+
+/// The lane of a hop of `rows` rows: 0 for decode laps, 1 for longer hops.
+fn lane(rows: usize) -> usize {
+    usize::from(rows > SHORT_ROWS)
+}
 
 /// What computing a hop gave: the output and what is kept, its trace, and its cache back.
 pub(super) type Computed = (dc_model::Result<(Activations, KeptHop)>, HopTrace, KvCache);
@@ -54,6 +66,7 @@ impl Stage {
     ) -> Result<Computed, String> {
         let (done, result) = oneshot::channel();
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        let lane = lane(x.rows());
         self.waiting(|w| {
             w.push(Waiting {
                 ticket,
@@ -65,8 +78,7 @@ impl Stage {
                 done,
             })
         });
-        let slot = self
-            .batch_slot
+        let slot = self.batch_slots[lane]
             .clone()
             .acquire_owned()
             .await
@@ -100,18 +112,21 @@ impl Stage {
 }
 
 /// Takes from `waiting` the hop `ticket`, if it still waits, and every other waiting hop
-/// that can run with it: on the same loaded model and layers, within the bounds of a batch.
+/// that can run with it: in the same lane, on the same loaded model and layers, within the
+/// bounds of a batch.
 fn take_batch(waiting: &mut Vec<Waiting>, ticket: u64) -> Vec<Waiting> {
     let Some(at) = waiting.iter().position(|w| w.ticket == ticket) else {
         return Vec::new();
     };
     let first = waiting.remove(at);
     let (layers, mut rows) = (first.cache.layers(), first.x.rows());
+    let first_lane = lane(rows);
     let mut batch = vec![first];
     let mut i = 0;
     while i < waiting.len() && batch.len() < MAX_STACK {
         let w = &waiting[i];
-        let fits = Arc::ptr_eq(&w.serving, &batch[0].serving)
+        let fits = lane(w.x.rows()) == first_lane
+            && Arc::ptr_eq(&w.serving, &batch[0].serving)
             && w.cache.layers() == layers
             && rows + w.x.rows() <= MAX_HOP_ROWS;
         if fits {
@@ -153,5 +168,90 @@ fn run_batch(runner: &dyn HopRunner, gemm: &Gemm, batch: Vec<Waiting>) {
     for (result, (cache, trace, done)) in results.into_iter().zip(parts) {
         // (A hop whose task has gone, its requester disconnected, is dropped.)
         let _ = done.send((result, trace, cache));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use std::ops::Range;
+
+    use dc_model::{LoadOptions, Model};
+    use dc_types::{GenerationId, LayerRange};
+
+    use super::*;
+
+    /// A waiting hop of `rows` rows over `layers` of `serving`'s model.
+    fn hop(serving: &Arc<Serving>, ticket: u64, rows: usize, layers: Range<usize>) -> Waiting {
+        let cfg = &serving.model.config;
+        Waiting {
+            ticket,
+            serving: serving.clone(),
+            x: Activations {
+                start: 0,
+                hidden: cfg.hidden_size,
+                data: vec![0.0; rows * cfg.hidden_size],
+            },
+            cache: KvCache::new(cfg, layers),
+            hop: HopId {
+                generation: GenerationId([ticket as u8; 16]),
+                step: 0,
+            },
+            keep: true,
+            done: oneshot::channel().0,
+        }
+    }
+
+    fn tickets(batch: &[Waiting]) -> Vec<u64> {
+        batch.iter().map(|w| w.ticket).collect()
+    }
+
+    #[test]
+    fn a_batch_takes_the_hops_of_its_lane_and_layers_up_to_the_bounds() {
+        let fixture =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/llama");
+        let model = Arc::new(Model::load(&fixture, &LoadOptions::default()).unwrap());
+        let serving = Arc::new(Serving {
+            model: model.clone(),
+            layers: LayerRange::new(0, 4).unwrap(),
+            head: false,
+        });
+        // The same model loaded again is another serving: never stacked with the first.
+        let other = Arc::new(Serving {
+            model,
+            layers: LayerRange::new(0, 4).unwrap(),
+            head: false,
+        });
+        let mut waiting = vec![
+            hop(&serving, 0, 1, 0..4),
+            hop(&serving, 1, 40, 0..4),
+            hop(&serving, 2, SHORT_ROWS, 0..4),
+            hop(&serving, 3, 1, 0..2),
+            hop(&other, 4, 1, 0..4),
+            hop(&serving, 5, SHORT_ROWS + 1, 0..4),
+            hop(&serving, 6, 2, 0..4),
+        ];
+        // A decode lap takes the other decode laps on its layers and serving, in arrival order.
+        assert_eq!(tickets(&take_batch(&mut waiting, 2)), [2, 0, 6]);
+        // A prompt's hop takes the other long hops, never a decode lap.
+        assert_eq!(tickets(&take_batch(&mut waiting, 5)), [5, 1]);
+        // A hop another batch took yields nothing.
+        assert!(take_batch(&mut waiting, 0).is_empty());
+        assert_eq!(tickets(&waiting), [3, 4]);
+
+        // At most MAX_STACK hops, and at most MAX_HOP_ROWS rows, in one batch.
+        let mut many: Vec<Waiting> = (0..MAX_STACK as u64 + 3)
+            .map(|t| hop(&serving, t, 1, 0..4))
+            .collect();
+        assert_eq!(take_batch(&mut many, 0).len(), MAX_STACK);
+        assert_eq!(many.len(), 3);
+        let big = MAX_HOP_ROWS / 2 + 1;
+        let mut long = vec![
+            hop(&serving, 0, big, 0..4),
+            hop(&serving, 1, big, 0..4),
+            hop(&serving, 2, MAX_HOP_ROWS - big, 0..4),
+        ];
+        assert_eq!(tickets(&take_batch(&mut long, 0)), [0, 2]);
     }
 }

@@ -35,9 +35,10 @@ pub struct Stage {
     pub(super) runner: Arc<dyn HopRunner>,
     /// Hops admitted and waiting for a batch (`queue.rs`).
     pub(super) waiting: Mutex<Vec<Waiting>>,
-    /// Held by the task running a batch of hops: one batch computes at a time, and what
-    /// arrives meanwhile forms the next.
-    pub(super) batch_slot: Arc<Semaphore>,
+    /// Held by the task running a batch of hops, one per lane (`queue.rs`: decode laps, and
+    /// longer hops): one batch per lane computes at a time, and what arrives meanwhile forms
+    /// the next.
+    pub(super) batch_slots: [Arc<Semaphore>; 2],
     /// Names each waiting hop.
     pub(super) tickets: AtomicU64,
 }
@@ -54,7 +55,7 @@ impl Stage {
             reveals_peak: std::sync::atomic::AtomicUsize::new(0),
             runner,
             waiting: Mutex::new(Vec::new()),
-            batch_slot: Arc::new(Semaphore::new(1)),
+            batch_slots: [Arc::new(Semaphore::new(1)), Arc::new(Semaphore::new(1))],
             tickets: AtomicU64::new(0),
         }
     }
