@@ -4,7 +4,9 @@
 use dc_kernels::conformance::{matrix, Style};
 use dc_kernels::rng::SplitMix64;
 use dc_kernels::verify::commit::commit_gemm;
-use dc_kernels::{BlockScale, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout};
+use dc_kernels::{
+    Accumulators, BlockScale, Exact, Gemm, Kernel, PackedWeights, QuantizedRows, WeightLayout,
+};
 use proptest::prelude::*;
 
 fn style() -> impl Strategy<Value = Style> {
@@ -245,6 +247,25 @@ proptest! {
     }
 }
 
+/// The bits of the fast path's integer at `(r, c)` (the value in units of
+/// `2^(e_min,row + e_min,col)`), and whether it is negative.
+fn sum_bits(
+    acc: &Accumulators,
+    qx: &QuantizedRows,
+    qw: &PackedWeights,
+    r: usize,
+    c: usize,
+) -> (u32, bool) {
+    let unit = qx.meta(r).exp_min + qw.col_exp_min(c);
+    let Exact::Small { mant, exp } = acc.get(r, c) else {
+        panic!("a fast-path sum is below 2^63");
+    };
+    (
+        64 - mant.unsigned_abs().leading_zeros() + (exp - unit) as u32,
+        mant < 0,
+    )
+}
+
 #[test]
 fn wide_fast_path_sums_occur_in_the_test_above() {
     // The generator above does produce fast-path pairs whose exact sums exceed 2^51 (the
@@ -266,12 +287,7 @@ fn wide_fast_path_sums_occur_in_the_test_above() {
             if fast_bound(&qx, r, &qw, c / 16).is_none() {
                 continue;
             }
-            // The fast path's integer is the value in units of 2^(e_min,row + e_min,col).
-            let unit = qx.meta(r).exp_min + qw.col_exp_min(c);
-            let Exact::Small { mant, exp } = acc.get(r, c) else {
-                panic!("a fast-path sum is below 2^63");
-            };
-            largest = largest.max(64 - mant.unsigned_abs().leading_zeros() + (exp - unit) as u32);
+            largest = largest.max(sum_bits(&acc, &qx, &qw, r, c).0);
         }
     }
     assert!(
@@ -312,13 +328,9 @@ fn narrow_tiles_near_2_51_and_wider_ones_occur_in_the_test_above() {
                     wider = true;
                     continue;
                 }
-                let unit = qx.meta(r).exp_min + qw.col_exp_min(c);
-                let Exact::Small { mant, exp } = acc.get(r, c) else {
-                    panic!("a narrow sum is below 2^63");
-                };
-                let bits = 64 - mant.unsigned_abs().leading_zeros() + (exp - unit) as u32;
+                let (bits, negative) = sum_bits(&acc, &qx, &qw, r, c);
                 narrow_bits = narrow_bits.max(bits);
-                narrow_negative |= mant < 0 && bits >= 49;
+                narrow_negative |= negative && bits >= 49;
             }
         }
         let (want, want_acc) = run(&Gemm::new(Kernel::Scalar, 1).unwrap(), &qx, &qw);

@@ -117,11 +117,13 @@ unsafe fn run_avx512(
 }
 
 // Written as a macro over literal row indices so the per-row accumulators stay in registers
-// (see the AVX2 kernel for why a loop over rows is slow).
+// (see the AVX2 kernel for why a loop over rows is slow). `$form` is how a block's sums are
+// combined: `i64` ([`add_block_term`]) or `ifma` (modulo 2^52, for narrow tiles).
 macro_rules! tile_fn {
-    ($name:ident, $rows:literal, [$($r:literal),+]) => {
-        /// One tile of rows × one panel, all blocks. Rows must be fast against the panel.
-        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    ($name:ident, $features:literal, $form:ident, $rows:literal, [$($r:literal),+]) => {
+        /// One tile of rows × one panel, all blocks. Rows must be fast against the panel (and
+        /// narrow, [`narrow_tile`], for the IFMA form).
+        #[target_feature(enable = $features)]
         unsafe fn $name(
             x: &QuantizedRows,
             rows: &[usize; $rows],
@@ -142,7 +144,6 @@ macro_rules! tile_fn {
                 // bytes, the row pointers span nb · 32 bytes (nb for the multipliers), and every
                 // offset stays inside those spans.
                 let rec = unsafe { base.add(b * RECORD) };
-                let mw = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(rec.add(RECORD_Q) as _) });
                 let mut d = [zero; $rows];
                 $( d[$r] = _mm512_set1_epi32(unsafe { *xo[$r].add(b) }); )+
                 for kg in 0..BLOCK / 4 {
@@ -154,19 +155,58 @@ macro_rules! tile_fn {
                         d[$r] = _mm512_dpbusd_epi32(d[$r], wu, xs);
                     )+
                 }
-                // SAFETY: `rec` is the block's whole record.
-                $( unsafe { add_block_term(&mut acc[$r], d[$r], mw, *xm[$r].add(b), rec) }; )+
+                tile_fn!(@combine $form, acc, d, rec, xm, b, [$($r),+]);
             }
             for r in 0..$rows {
+                let a = tile_fn!(@sums $form, acc[r]);
                 // SAFETY: features present; the row is in range.
-                unsafe { finish(sink, x, rows[r], w, panel, acc[r])? };
+                unsafe { finish(sink, x, rows[r], w, panel, a)? };
             }
             Ok(())
         }
     };
+    (@combine i64, $acc:ident, $d:ident, $rec:ident, $xm:ident, $b:ident, [$($r:literal),+]) => {
+        let mw = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128($rec.add(RECORD_Q) as _) });
+        // SAFETY: `rec` is the block's whole record.
+        $( unsafe { add_block_term(&mut $acc[$r], $d[$r], mw, *$xm[$r].add($b), $rec) }; )+
+    };
+    (@combine ifma, $acc:ident, $d:ident, $rec:ident, $xm:ident, $b:ident, [$($r:literal),+]) => {
+        // The columns' m_w · 2^shift, even and odd columns as 64-bit lanes (< 2^48); the
+        // shifts' bytes are laid out even columns first (see `pack.rs`).
+        let mw = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128($rec.add(RECORD_Q) as _) });
+        let sh = unsafe { $rec.add(RECORD_Q + PANEL) };
+        let se = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh as _) });
+        let so = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh.add(8) as _) });
+        let low = _mm512_set1_epi64(0xffff_ffff);
+        let ce = _mm512_sllv_epi64(_mm512_and_si512(mw, low), se);
+        let co = _mm512_sllv_epi64(_mm512_srli_epi64::<32>(mw), so);
+        $(
+            // (`vpmuldq` reads the low half of each 64-bit lane: a 32-bit broadcast from
+            // memory serves, one load where a 64-bit one costs a shuffle.)
+            let rm = _mm512_set1_epi32(unsafe { *$xm[$r].add($b) });
+            let te = _mm512_mul_epi32($d[$r], rm);
+            let to = _mm512_mul_epi32(_mm512_srli_epi64::<32>($d[$r]), rm);
+            $acc[$r][0] = _mm512_madd52lo_epu64($acc[$r][0], te, ce);
+            $acc[$r][1] = _mm512_madd52lo_epu64($acc[$r][1], to, co);
+        )+
+    };
+    (@sums i64, $a:expr) => {
+        $a
+    };
+    // The sums modulo 2^52, sign-extended: exact, as each is below 2^51 in magnitude.
+    (@sums ifma, $a:expr) => {
+        $a.map(|v| _mm512_srai_epi64::<12>(_mm512_slli_epi64::<12>(v)))
+    };
 }
 
-tile_fn!(tile4, 4, [0, 1, 2, 3]);
+tile_fn!(tile4, "avx512f,avx512bw,avx512vnni", i64, 4, [0, 1, 2, 3]);
+tile_fn!(
+    tile4_ifma,
+    "avx512f,avx512bw,avx512vnni,avx512ifma",
+    ifma,
+    4,
+    [0, 1, 2, 3]
+);
 
 /// Whether every row of the tile, against the panel, sums below 2^51 in magnitude at every
 /// step: then the IFMA tile's sums, kept modulo 2^52, are exact.
@@ -175,70 +215,6 @@ fn narrow_tile(x: &QuantizedRows, rows: &[usize; MR], w: &PackedWeights, panel: 
     rows.iter()
         .all(|&r| (x.meta(r).bound as u128) * pb < (1u128 << 51))
 }
-
-macro_rules! tile_ifma_fn {
-    ($name:ident, $rows:literal, [$($r:literal),+]) => {
-        /// One tile of rows × one panel, all blocks, combined with IFMA modulo 2^52. Rows must
-        /// be narrow against the panel ([`narrow_tile`]).
-        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512ifma")]
-        unsafe fn $name(
-            x: &QuantizedRows,
-            rows: &[usize; $rows],
-            w: &PackedWeights,
-            panel: usize,
-            sink: &Sink,
-        ) -> Result<()> {
-            let nb = w.blocks();
-            let base = w.data()[panel * nb * RECORD..(panel + 1) * nb * RECORD].as_ptr();
-            let xq: [*const i8; $rows] = rows.map(|r| x.row_q(r).as_ptr());
-            let xo: [*const i32; $rows] = rows.map(|r| x.row_offset_sums(r).as_ptr());
-            let xm: [*const i32; $rows] = rows.map(|r| x.row_mult(r).as_ptr());
-            let zero = _mm512_setzero_si512();
-            let to_unsigned = _mm512_set1_epi8(i8::MIN);
-            let low = _mm512_set1_epi64(0xffff_ffff);
-            let mut acc = [[zero; 2]; $rows];
-            for b in 0..nb {
-                // SAFETY (all pointer arithmetic below): as in the i64 tiles.
-                let rec = unsafe { base.add(b * RECORD) };
-                let mut d = [zero; $rows];
-                $( d[$r] = _mm512_set1_epi32(unsafe { *xo[$r].add(b) }); )+
-                for kg in 0..BLOCK / 4 {
-                    let wv = unsafe { _mm512_loadu_si512(rec.add(kg * 64) as _) };
-                    let wu = _mm512_xor_si512(wv, to_unsigned);
-                    let off = b * BLOCK + kg * 4;
-                    $(
-                        let xs = _mm512_set1_epi32(unsafe { (xq[$r].add(off) as *const i32).read_unaligned() });
-                        d[$r] = _mm512_dpbusd_epi32(d[$r], wu, xs);
-                    )+
-                }
-                // The columns' m_w · 2^shift, even and odd columns as 64-bit lanes (< 2^48);
-                // the shifts' bytes are laid out even columns first (see `pack.rs`).
-                let mw = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(rec.add(RECORD_Q) as _) });
-                let sh = unsafe { rec.add(RECORD_Q + PANEL) };
-                let se = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh as _) });
-                let so = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh.add(8) as _) });
-                let ce = _mm512_sllv_epi64(_mm512_and_si512(mw, low), se);
-                let co = _mm512_sllv_epi64(_mm512_srli_epi64::<32>(mw), so);
-                $(
-                    let rm = _mm512_set1_epi64(unsafe { *xm[$r].add(b) } as i64);
-                    let te = _mm512_mul_epi32(d[$r], rm);
-                    let to = _mm512_mul_epi32(_mm512_srli_epi64::<32>(d[$r]), rm);
-                    acc[$r][0] = _mm512_madd52lo_epu64(acc[$r][0], te, ce);
-                    acc[$r][1] = _mm512_madd52lo_epu64(acc[$r][1], to, co);
-                )+
-            }
-            for r in 0..$rows {
-                // The sums modulo 2^52, sign-extended: exact, as each is below 2^51.
-                let a = acc[r].map(|v| _mm512_srai_epi64::<12>(_mm512_slli_epi64::<12>(v)));
-                // SAFETY: features present; the row is in range.
-                unsafe { finish(sink, x, rows[r], w, panel, a)? };
-            }
-            Ok(())
-        }
-    };
-}
-
-tile_ifma_fn!(tile4_ifma, 4, [0, 1, 2, 3]);
 
 /// One row × one panel, all blocks: the decode shape, where each panel streams from memory
 /// once. Here the weights stay signed and take the activation's sign (a sign mask and a masked
@@ -299,7 +275,8 @@ unsafe fn add_block_term(acc: &mut [__m512i; 2], d: __m512i, mw: __m512i, rm: i3
     let se = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh as _) });
     let so = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(sh.add(8) as _) });
     let dm = _mm512_mullo_epi32(d, mw);
-    let rm = _mm512_set1_epi64(rm as i64);
+    // (`vpmuldq` reads the low half of each 64-bit lane: a 32-bit broadcast serves.)
+    let rm = _mm512_set1_epi32(rm);
     let te = _mm512_sllv_epi64(_mm512_mul_epi32(dm, rm), se);
     let to = _mm512_sllv_epi64(_mm512_mul_epi32(_mm512_srli_epi64::<32>(dm), rm), so);
     acc[0] = _mm512_add_epi64(acc[0], te);
