@@ -8,25 +8,21 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use dc_kernels::{Gemm, Kernel};
 use dc_model::trace::HopTrace;
-use dc_model::{HopInput, KvCache, LoadOptions, Model};
+use dc_model::{HopInput, KvCache, Model};
 use serde_json::json;
 
-use super::local::model_path;
+use super::bench_stream::Bench;
 use crate::cli::{BenchStackArgs, Global};
 
 pub fn bench_stack(global: &Global, a: &BenchStackArgs) -> Result<ExitCode> {
-    let kernel = Kernel::parse(&global.kernel)?;
-    let path = model_path(&a.model)?;
-    let threads = global
-        .threads
-        .unwrap_or_else(crate::config::default_threads);
-    let gemm = Gemm::new(kernel, threads)?;
-    let opts = LoadOptions {
-        cache_in: Some(dc_model::store::data_dir()?),
-        ..LoadOptions::default()
-    };
+    let Bench {
+        kernel,
+        threads,
+        gemm,
+        path,
+        opts,
+    } = Bench::new(global, &a.model)?;
     let model = Model::load(&path, &opts)?;
     let cfg = &model.config;
     if a.generations.iter().any(|&g| g == 0 || g > 64) {

@@ -15,17 +15,43 @@ use super::bench_model::plain_rates;
 use super::local::model_path;
 use crate::cli::{BenchStreamArgs, Global};
 
+/// What an in-process model benchmark runs on: the kernel and engine the global options ask
+/// for, the model's path, and load options that use the weight cache.
+pub(super) struct Bench {
+    pub kernel: Kernel,
+    pub threads: usize,
+    pub gemm: Gemm,
+    pub path: std::path::PathBuf,
+    pub opts: LoadOptions,
+}
+
+impl Bench {
+    pub(super) fn new(global: &Global, model: &crate::cli::ModelArg) -> Result<Bench> {
+        let kernel = Kernel::parse(&global.kernel)?;
+        let threads = global
+            .threads
+            .unwrap_or_else(crate::config::default_threads);
+        Ok(Bench {
+            kernel,
+            threads,
+            gemm: Gemm::new(kernel, threads)?,
+            path: model_path(model)?,
+            opts: LoadOptions {
+                cache_in: Some(dc_model::store::data_dir()?),
+                ..LoadOptions::default()
+            },
+        })
+    }
+}
+
 pub fn bench_stream(global: &Global, a: &BenchStreamArgs) -> Result<ExitCode> {
-    let kernel = Kernel::parse(&global.kernel)?;
-    let path = model_path(&a.model)?;
-    let threads = global
-        .threads
-        .unwrap_or_else(crate::config::default_threads);
-    let gemm = Gemm::new(kernel, threads)?;
-    let opts = LoadOptions {
-        cache_in: Some(dc_model::store::data_dir()?),
-        ..LoadOptions::default()
-    };
+    let Bench {
+        kernel,
+        threads,
+        gemm,
+        path,
+        opts,
+    } = Bench::new(global, &a.model)?;
     let (config, _) = dc_model::open::open_source(&path)?;
     let n = config.num_layers;
     let vocab = config.vocab_size as u64;
