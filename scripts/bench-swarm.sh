@@ -52,15 +52,13 @@ start() { # name layers extra...
     exit 1
 }
 
-seconds() { # command...: median wall seconds of 5 runs (the machine may be noisy)
-    local s e runs=()
+rate() { # command...: median decode tokens/s of 5 runs (the machine may be noisy), as the
+         # generation itself timed it: from its first token to its last
+    local runs=()
     for _ in 1 2 3 4 5; do
-        s=$(date +%s.%N)
-        "$@" >/dev/null
-        e=$(date +%s.%N)
-        runs+=("$(python3 -c "print($e - $s)")")
+        runs+=("$("$@" | python3 -c "import json,sys; print(json.load(sys.stdin)['timing']['decode_tokens_per_s'])")")
     done
-    python3 -c "import sys, statistics; print(round(statistics.median(map(float, sys.argv[1:])), 3))" "${runs[@]}"
+    python3 -c "import sys, statistics; print(round(statistics.median(map(float, sys.argv[1:])), 2))" "${runs[@]}"
 }
 
 a=$((L / 3))
@@ -106,22 +104,18 @@ def total(items):
                 exit 1
             fi
             read -r g0 k0 < <(guesses)
-            tl=$(seconds gen --model "$MODEL" --max-new-tokens "$TOKENS")
-            tl1=$(seconds gen --model "$MODEL" --max-new-tokens 1)
-            ts=$(seconds gen --api "$api" --max-new-tokens "$TOKENS" --audit-rate 0)
-            ts1=$(seconds gen --api "$api" --max-new-tokens 1 --audit-rate 0)
+            rl=$(rate gen --model "$MODEL" --max-new-tokens "$TOKENS")
+            rs=$(rate gen --api "$api" --max-new-tokens "$TOKENS" --audit-rate 0)
             read -r g1 k1 < <(guesses)
-            python3 - "$name" "$mode" "$TOKENS" "$tl" "$tl1" "$ts" "$ts1" "$((g1 - g0))" "$((k1 - k0))" <<'PY'
+            python3 - "$name" "$mode" "$TOKENS" "$rl" "$rs" "$((g1 - g0))" "$((k1 - k0))" <<'PY'
 import sys
 name, mode = sys.argv[1:3]
-n, tl, tl1, ts, ts1 = int(sys.argv[3]), *map(float, sys.argv[4:8])
-guessed, kept = map(int, sys.argv[8:10])
-dl, ds = (tl - tl1) / (n - 1), (ts - ts1) / (n - 1)
-# Five generations of n tokens through the pipeline (and five of one token, with no lap): each
-# kept guess saved a lap.
+n, rl, rs = int(sys.argv[3]), *map(float, sys.argv[4:6])
+guessed, kept = map(int, sys.argv[6:8])
+# Five generations of n tokens through the pipeline: each kept guess saved a lap.
 laps = 5 * (n - 1) - kept
 per_lap = 5 * (n - 1) / laps if laps > 0 else 0
-print(f"{name:>9}, {mode:>13}: one process {1/dl:6.1f} tokens/s, 3-daemon pipeline {1/ds:6.1f} tokens/s "
+print(f"{name:>9}, {mode:>13}: one process {rl:6.1f} tokens/s, 3-daemon pipeline {rs:6.1f} tokens/s "
       f"({per_lap:.2f} tokens per lap, {kept} of {guessed} guesses kept)")
 PY
         done
@@ -130,17 +124,14 @@ PY
 fi
 
 prompt="The quick brown fox jumps over the lazy dog. Once upon a time"
-# One process, including loading the model; and the load alone (one token), to subtract.
-t_local=$(seconds "$DCD" generate --model "$MODEL" --prompt "$prompt" --max-new-tokens "$TOKENS" --ignore-eos --json)
-t_load=$(seconds "$DCD" generate --model "$MODEL" --prompt "$prompt" --max-new-tokens 1 --ignore-eos --json)
-t_swarm=$(seconds "$DCD" generate --api "$api" --prompt "$prompt" --max-new-tokens "$TOKENS" --ignore-eos --json --audit-rate 0)
-t_swarm1=$(seconds "$DCD" generate --api "$api" --prompt "$prompt" --max-new-tokens 1 --ignore-eos --json --audit-rate 0)
-python3 - "$TOKENS" "$t_local" "$t_load" "$t_swarm" "$t_swarm1" <<'PY'
+# Decode tokens/s of one process and through the pipeline, each timed inside the generation.
+r_local=$(rate "$DCD" generate --model "$MODEL" --prompt "$prompt" --max-new-tokens "$TOKENS" --ignore-eos --json)
+r_swarm=$(rate "$DCD" generate --api "$api" --prompt "$prompt" --max-new-tokens "$TOKENS" --ignore-eos --json --audit-rate 0)
+python3 - "$r_local" "$r_swarm" <<'PY'
 import sys
-n, tl, tl1, ts, ts1 = int(sys.argv[1]), *map(float, sys.argv[2:])
-dl, ds = (tl - tl1) / (n - 1), (ts - ts1) / (n - 1)
-print(f"one process:       {1000*dl:.1f} ms/token, {1/dl:.1f} tokens/s at decode")
-print(f"3-daemon pipeline: {1000*ds:.1f} ms/token, {1/ds:.1f} tokens/s at decode ({ds/dl:.2f}x the per-token time)")
+rl, rs = map(float, sys.argv[1:])
+print(f"one process:       {1000/rl:.1f} ms/token, {rl:.1f} tokens/s at decode")
+print(f"3-daemon pipeline: {1000/rs:.1f} ms/token, {rs:.1f} tokens/s at decode ({rs/rl:.2f} of one process)")
 PY
 clients=()
 s=$(date +%s.%N)
@@ -152,3 +143,10 @@ done
 wait "${clients[@]}"
 e=$(date +%s.%N)
 python3 -c "t=$e-$s; print(f'$CONC concurrent generations: {$CONC*$TOKENS} tokens in {t:.2f}s, {$CONC*$TOKENS/t:.1f} tokens/s aggregate')"
+# How many hops each daemon computed stacked with another generation's (one GEMM per product).
+stacked=()
+for name in a b c; do
+    d_api=$(grep -m1 "control API on" "$work/$name.out" | awk '{print $4}')
+    stacked+=("$("$DCD" status --api "$d_api" --json | python3 -c "import json,sys; s=json.load(sys.stdin); print(f\"{s['hops_stacked']}/{s['hops_served']}\")")")
+done
+echo "hops stacked / served, per daemon: ${stacked[*]}"

@@ -71,6 +71,12 @@ fn assert_same_as_local(model: &Path, api: &str, prompt: &str, max_new: &str) {
         assert_eq!(swarm["logprobs"], local["logprobs"], "{what}");
         let n = max_new.parse::<usize>().unwrap();
         assert_eq!(swarm["tokens"].as_array().unwrap().len(), n);
+        // Both say when the tokens came: the first after some time, then a decode rate.
+        for timed in [&swarm, &local] {
+            let t = &timed["timing"];
+            assert!(t["first_token_ms"].as_f64() > Some(0.0), "{what}: {t}");
+            assert!(t["decode_tokens_per_s"].as_f64() > Some(0.0), "{what}: {t}");
+        }
         let logprobs = swarm["logprobs"].as_array().expect("logprobs");
         assert_eq!(logprobs.len(), n, "{what}");
         for lp in logprobs {

@@ -294,7 +294,8 @@ pub struct GenerateArgs {
     /// Prefill chunk size in positions.
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
-    /// Print {"prompt_ids", "tokens", "text"} as JSON at the end instead of streaming text.
+    /// Print {"prompt_ids", "tokens", "text", "timing": {"first_token_ms",
+    /// "decode_tokens_per_s"}, ...} as JSON at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
     /// Constrain the output to one JSON object (it ends the generation once complete).

@@ -1,6 +1,6 @@
 //! Command implementations: this module only resolves the configuration and dispatches each
 //! subcommand to the module that owns it. Imports point one way, down: the command modules
-//! (`swarm`, `model_cmds`, `bench`, ...) over `dashboard`, over `client` and `local`, over
+//! (`swarm`, `model_cmds`, `bench`, ...) over `dashboard`, over `client`, `local` and `timing`, over
 //! `crate::config`; nothing below imports from above.
 
 mod bench;
@@ -16,6 +16,7 @@ mod model_cmds;
 mod selftest;
 mod swarm;
 mod swarm_key;
+mod timing;
 
 use std::process::ExitCode;
 

@@ -19,6 +19,7 @@ use safetensors::Dtype;
 use serde_json::json;
 
 use super::local::{engine, load_model, model_path};
+use super::timing::TokenClock;
 use crate::cli::{GenerateArgs, Global, LogitsArgs, PerplexityArgs, TokenizeArgs};
 
 /// The JSON schema `--json-schema` names, read and parsed (none without the flag).
@@ -88,7 +89,9 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
     let mut stdout = std::io::stdout().lock();
     let mut stream_err = None;
     let mut token_logprobs = Vec::new();
+    let mut clock = TokenClock::start();
     let out = run_generation(&mut pipeline, &gemm, &req, |t, row| {
+        clock.token();
         if let Some(n) = a.top_logprobs {
             token_logprobs.push(logprobs(row, t, n as usize));
         }
@@ -127,6 +130,7 @@ pub fn generate(global: &Global, a: &GenerateArgs) -> Result<ExitCode> {
             answer["logprobs"] = json!(token_logprobs);
         }
         answer["speculation"] = json!(out.speculation);
+        answer["timing"] = clock.json();
         println!("{answer}");
     } else {
         let rest = match decoder.as_mut() {

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use super::client;
+use super::timing::TokenClock;
 use crate::cli::{GenerateArgs, Global, StatusArgs};
 use crate::config::Resolved;
 
@@ -78,6 +79,7 @@ pub fn status(a: &StatusArgs, r: &Resolved) -> Result<ExitCode> {
 }
 
 pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
+    let mut clock = TokenClock::start();
     let mut events = client::post_stream(api, "/generate", &generate_body(a)?)?;
     let mut stdout = std::io::stdout().lock();
     let mut seen = Transcript {
@@ -101,13 +103,17 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
         match ev["event"].as_str() {
             Some("started") => seen.started(&ev, a.json),
             Some("token") if !a.json => {
+                clock.token();
                 match ev["text"].as_str() {
                     Some(t) => write!(stdout, "{t}")?,
                     None => write!(stdout, "{} ", ev["id"])?,
                 }
                 stdout.flush()?;
             }
-            Some("token") => seen.token(&ev),
+            Some("token") => {
+                clock.token();
+                seen.token(&ev);
+            }
             Some("corrected") => {
                 if !a.json {
                     print_correction(&mut stdout, &ev)?;
@@ -116,7 +122,9 @@ pub fn generate_api(a: &GenerateArgs, api: &str) -> Result<ExitCode> {
             }
             Some("done") => {
                 if a.json {
-                    writeln!(stdout, "{}", seen.done_json(&ev))?;
+                    let mut answer = seen.done_json(&ev);
+                    answer["timing"] = clock.json();
+                    writeln!(stdout, "{answer}")?;
                 } else {
                     writeln!(stdout)?;
                 }
