@@ -211,6 +211,25 @@ fn aligned(rng: &mut SplitMix64, rows: usize, k: usize, span: i32) -> Vec<f32> {
 }
 
 /// Whether `(row, panel)` takes the i64 fast path, and the bound on its sums.
+/// An `m×k` by `k×n` product of [`aligned`] rows of `span` drawn from `seed`: the quantised
+/// operands and the reference's exact accumulators.
+fn aligned_product(
+    seed: u64,
+    (m, k, n): (usize, usize, usize),
+    span: i32,
+) -> (QuantizedRows, PackedWeights, Accumulators) {
+    let mut rng = SplitMix64::new(seed);
+    let x = aligned(&mut rng, m, k, span);
+    let w = aligned(&mut rng, n, k, span);
+    let qx = QuantizedRows::quantize(&x, m, k, "x").expect("finite x");
+    let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").expect("finite w");
+    let mut y = vec![0f32; m * n];
+    let acc = Gemm::new(Kernel::Scalar, 1)
+        .and_then(|g| g.matmul_exact(&qx, &qw, &mut y))
+        .expect("the reference product");
+    (qx, qw, acc)
+}
+
 fn fast_bound(qx: &QuantizedRows, r: usize, qw: &PackedWeights, p: usize) -> Option<u128> {
     let (rm, pm) = (qx.meta(r), qw.panel_meta(p));
     let bound = (rm.bound as u128) * (pm.bound as u128);
@@ -271,16 +290,7 @@ fn wide_fast_path_sums_occur_in_the_test_above() {
     // The generator above does produce fast-path pairs whose exact sums exceed 2^51 (the
     // limit of the vector rounding) and come within a factor 4 of the 2^63 bound.
     let (m, k, n) = (8, 256, 32);
-    let mut rng = SplitMix64::new(3);
-    let x = aligned(&mut rng, m, k, 12);
-    let w = aligned(&mut rng, n, k, 12);
-    let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
-    let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
-    let mut y = vec![0f32; m * n];
-    let acc = Gemm::new(Kernel::Scalar, 1)
-        .unwrap()
-        .matmul_exact(&qx, &qw, &mut y)
-        .unwrap();
+    let (qx, qw, acc) = aligned_product(3, (m, k, n), 12);
     let mut largest = 0u32;
     for r in 0..m {
         for c in 0..n {
@@ -309,16 +319,7 @@ fn narrow_tiles_near_2_51_and_wider_ones_occur_in_the_test_above() {
     let (m, k, n) = (8, 256, 32);
     let (mut narrow_bits, mut narrow_negative, mut wider) = (0u32, false, false);
     for span in 0..=16 {
-        let mut rng = SplitMix64::new(span as u64);
-        let x = aligned(&mut rng, m, k, span);
-        let w = aligned(&mut rng, n, k, span);
-        let qx = QuantizedRows::quantize(&x, m, k, "x").unwrap();
-        let qw = PackedWeights::quantize(&w, k, n, WeightLayout::NByK, "w").unwrap();
-        let mut y = vec![0f32; m * n];
-        let acc = Gemm::new(Kernel::Scalar, 1)
-            .unwrap()
-            .matmul_exact(&qx, &qw, &mut y)
-            .unwrap();
+        let (qx, qw, acc) = aligned_product(span as u64, (m, k, n), span);
         for r in 0..m {
             for c in 0..n {
                 let Some(bound) = fast_bound(&qx, r, &qw, c / 16) else {
