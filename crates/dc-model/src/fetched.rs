@@ -17,6 +17,7 @@ use dc_kernels::Commitment;
 
 use crate::error::{ModelError, Result};
 use crate::manifest::Manifest;
+use crate::row_table::RowTable;
 use crate::source::{TensorInfo, TensorSource};
 
 /// The manifest inside a fetched folder.
@@ -221,6 +222,19 @@ impl HeldOnly {
     }
 }
 
+impl HeldOnly {
+    /// `Err` naming `name` unless its bytes were fetched and checked.
+    fn check_held(&self, name: &str) -> Result<()> {
+        if self.held.contains(name) {
+            return Ok(());
+        }
+        Err(ModelError::Input(format!(
+            "tensor {name} of {} was not fetched from peers (a fetched model holds only the layers its daemon serves)",
+            self.inner.path().display()
+        )))
+    }
+}
+
 impl TensorSource for HeldOnly {
     fn tensors(&self) -> Vec<TensorInfo> {
         self.inner.tensors()
@@ -231,13 +245,13 @@ impl TensorSource for HeldOnly {
     }
 
     fn load_f32(&self, name: &str) -> Result<Vec<f32>> {
-        if !self.held.contains(name) {
-            return Err(ModelError::Input(format!(
-                "tensor {name} of {} was not fetched from peers (a fetched model holds only the layers its daemon serves)",
-                self.inner.path().display()
-            )));
-        }
+        self.check_held(name)?;
         self.inner.load_f32(name)
+    }
+
+    fn load_row_table(&self, name: &str) -> Result<RowTable> {
+        self.check_held(name)?;
+        self.inner.load_row_table(name)
     }
 
     fn path(&self) -> &Path {

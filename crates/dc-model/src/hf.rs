@@ -12,7 +12,8 @@ use safetensors::Dtype;
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
-use crate::source::{TensorInfo, TensorSource};
+use crate::row_table::{RowEncoding, RowTable};
+use crate::source::{table_shape, TensorInfo, TensorSource};
 
 /// One memory-mapped safetensors file with its parsed (and validated) header.
 struct Shard {
@@ -218,24 +219,7 @@ impl TensorSource for SafetensorsSource {
     }
 
     fn load_f32(&self, name: &str) -> Result<Vec<f32>> {
-        let shard =
-            &self.shards[*self
-                .index
-                .get(name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    name: name.into(),
-                    path: self.dir.clone(),
-                })?];
-        let info = shard
-            .meta
-            .info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.into(),
-                path: shard.path.clone(),
-            })?;
-        let (a, b) = info.data_offsets;
-        // read_metadata validated that the offsets tile the data section exactly.
-        let bytes = &shard.map[shard.data_start + a..shard.data_start + b];
+        let (shard, info, bytes) = self.stored(name)?;
         let numel: usize = info.shape.iter().product();
         let out: Vec<f32> = match info.dtype {
             Dtype::F32 => bytes
@@ -270,7 +254,49 @@ impl TensorSource for SafetensorsSource {
         Ok(out)
     }
 
+    fn load_row_table(&self, name: &str) -> Result<RowTable> {
+        let (rows, cols) = table_shape(self, name)?;
+        let (_, info, bytes) = self.stored(name)?;
+        let encoding = match info.dtype {
+            Dtype::F16 => Some(RowEncoding::F16),
+            Dtype::BF16 => Some(RowEncoding::Bf16),
+            _ => None,
+        };
+        match encoding.and_then(|e| RowTable::encoded(e, bytes.to_vec(), rows, cols)) {
+            Some(table) => Ok(table),
+            None => RowTable::from_f32(self.load_f32(name)?, rows, cols),
+        }
+    }
+
     fn path(&self) -> &Path {
         &self.dir
+    }
+}
+
+impl SafetensorsSource {
+    /// The shard holding tensor `name`, its entry there and its stored bytes.
+    fn stored(&self, name: &str) -> Result<(&Shard, &safetensors::tensor::TensorInfo, &[u8])> {
+        let shard =
+            &self.shards[*self
+                .index
+                .get(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.into(),
+                    path: self.dir.clone(),
+                })?];
+        let info = shard
+            .meta
+            .info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.into(),
+                path: shard.path.clone(),
+            })?;
+        let (a, b) = info.data_offsets;
+        // read_metadata validated that the offsets tile the data section exactly.
+        Ok((
+            shard,
+            info,
+            &shard.map[shard.data_start + a..shard.data_start + b],
+        ))
     }
 }

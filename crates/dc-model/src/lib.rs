@@ -22,6 +22,7 @@ pub mod manifest;
 pub mod model;
 pub mod open;
 pub mod progress;
+pub mod row_table;
 pub mod sampling;
 pub mod source;
 pub mod speculative;

@@ -308,13 +308,18 @@ impl Model {
                     self.config.vocab_size
                 )));
             }
-            let row = &head.embed[t * h..(t + 1) * h];
-            match &head.positions {
-                Some(p) => {
-                    let pos = &p[(start + i) * h..(start + i + 1) * h];
-                    data.extend(row.iter().zip(pos).map(|(a, b)| a + b));
-                }
-                None => data.extend_from_slice(row),
+            let at = data.len();
+            head.embed.push_row(t, &mut data)?;
+            let row = &mut data[at..];
+            // A table kept as stored is converted here, so its values are checked here too.
+            if row.iter().any(|x| !x.is_finite()) {
+                return Err(ModelError::Input(format!(
+                    "the embedding of token {t} holds a non-finite value"
+                )));
+            }
+            if let Some(p) = &head.positions {
+                let pos = &p[(start + i) * h..(start + i + 1) * h];
+                row.iter_mut().zip(pos).for_each(|(a, b)| *a += b);
             }
         }
         Ok(Activations {

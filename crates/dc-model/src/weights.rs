@@ -17,6 +17,7 @@ use dc_types::Point;
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::row_table::RowTable;
 use crate::source::TensorSource;
 use crate::weight_cache::{packed, WeightCache};
 
@@ -233,8 +234,8 @@ impl Layer {
 /// The head weights: what the generation's head needs to embed and read out.
 #[derive(Clone, Debug)]
 pub struct Head {
-    /// Token embeddings, `vocab × hidden`, as loaded (f32).
-    pub embed: Vec<f32>,
+    /// Token embeddings, `vocab × hidden`, as stored (converted a row per token).
+    pub embed: RowTable,
     /// Learned position embeddings, `positions × hidden` (GPT-2).
     pub positions: Option<Vec<f32>>,
     /// Final norm.
@@ -261,16 +262,22 @@ fn load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Vec<f32>>
         });
     }
     let v = src.load_f32(name)?;
-    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-        return Err(ModelError::format(
+    check_finite(src, name, &v)?;
+    Ok(v)
+}
+
+/// `Err` naming tensor `name` of `src` and the element if `v` holds a non-finite value.
+fn check_finite(src: &dyn TensorSource, name: &str, v: &[f32]) -> Result<()> {
+    match v.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(ModelError::format(
             src.path(),
             format!(
                 "tensor {name} holds a non-finite value {} at element {i}",
                 v[i]
             ),
-        ));
+        )),
     }
-    Ok(v)
 }
 
 fn opt_load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
@@ -429,6 +436,37 @@ pub fn load_layer(
     }
 }
 
+/// Loads the `[rows, cols]` table `name`, kept as stored to convert a row at a time.
+fn table(src: &dyn TensorSource, name: &str, [rows, cols]: [usize; 2]) -> Result<RowTable> {
+    let got = crate::source::table_shape(src, name)?;
+    if got != (rows, cols) {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            expected: vec![rows, cols],
+            got: vec![got.0, got.1],
+        });
+    }
+    let table = src.load_row_table(name)?;
+    // A table kept as stored is checked a row at a time as it is read (`Model::embed`).
+    if let Some(values) = table.as_f32() {
+        check_finite(src, name, values)?;
+    }
+    Ok(table)
+}
+
+/// The whole of table `name` as f32 (to pack a tied output projection): `table` itself when
+/// it is held as f32, else read again.
+fn table_f32<'t>(
+    src: &dyn TensorSource,
+    name: &str,
+    table: &'t RowTable,
+) -> Result<Cow<'t, [f32]>> {
+    match table.as_f32() {
+        Some(values) => Ok(Cow::Borrowed(values)),
+        None => load(src, name, &[table.rows(), table.cols()]).map(Cow::Owned),
+    }
+}
+
 /// Loads the head weights: embeddings, final norm and output projection (its packing through
 /// `cache` when given).
 pub fn load_head(
@@ -441,14 +479,15 @@ pub fn load_head(
     match cfg.arch {
         Arch::Gpt2 => {
             let p = names.prefix;
-            let embed = load(src, &format!("{p}wte.weight"), &[v, h])?;
+            let name = format!("{p}wte.weight");
+            let embed = table(src, &name, [v, h])?;
             let lm_head = packed(
                 cache,
                 "wte (tied lm_head)",
                 h,
                 v,
                 WeightLayout::NByK,
-                || Ok(Cow::Borrowed(&embed)),
+                || table_f32(src, &name, &embed),
             )?;
             Ok(Head {
                 positions: Some(load(
@@ -462,7 +501,8 @@ pub fn load_head(
             })
         }
         _ => {
-            let embed = load(src, "model.embed_tokens.weight", &[v, h])?;
+            let name = "model.embed_tokens.weight";
+            let embed = table(src, name, [v, h])?;
             let lm_head = if cfg.tie_embeddings || src.info("lm_head.weight").is_none() {
                 if !cfg.tie_embeddings {
                     return Err(ModelError::MissingTensor {
@@ -476,7 +516,7 @@ pub fn load_head(
                     h,
                     v,
                     WeightLayout::NByK,
-                    || Ok(Cow::Borrowed(&embed)),
+                    || table_f32(src, name, &embed),
                 )?
             } else {
                 packed(cache, "lm_head.weight", h, v, WeightLayout::NByK, || {

@@ -153,6 +153,41 @@ fn non_finite_weights_are_refused() {
 }
 
 #[test]
+fn a_non_finite_embedding_kept_as_stored_is_refused_when_its_token_comes() {
+    // Llama's untied embedding as bf16 (kept as stored, converted a row per token), with a
+    // NaN in token 5's row: the model loads, token 5 is refused by name, the others embed.
+    let d = copy_fixture("llama");
+    let src = d.path().join("model.safetensors");
+    let bytes = std::fs::read(&src).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.embed_tokens.weight";
+    let view = st.tensor(name).unwrap();
+    let (shape, cols) = (view.shape().to_vec(), view.shape()[1]);
+    let mut halves: Vec<u8> = view
+        .data()
+        .chunks_exact(4)
+        .flat_map(|c| {
+            let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            half::bf16::from_f32(x).to_le_bytes()
+        })
+        .collect();
+    let at = (5 * cols + 3) * 2;
+    halves[at..at + 2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .collect();
+    let bf16 = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape, &halves);
+    tensors.push((name.to_string(), bf16.unwrap()));
+    std::fs::write(&src, safetensors::serialize(tensors, None).unwrap()).unwrap();
+    let model = Model::load(d.path(), &LoadOptions::default()).unwrap();
+    let e = model.embed(&[4, 5], 0).unwrap_err().to_string();
+    assert!(e.contains("token 5") && e.contains("non-finite"), "{e}");
+    assert_eq!(model.embed(&[4, 6], 0).unwrap().rows(), 2);
+}
+
+#[test]
 fn bad_requests_are_errors() {
     let model = Model::load(&fixtures().join("llama"), &LoadOptions::default()).unwrap();
     let gemm = Gemm::new(Kernel::best(), 1).unwrap();

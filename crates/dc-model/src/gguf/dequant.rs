@@ -304,27 +304,40 @@ const CHUNK_VALUES: usize = 1 << 16;
 /// Every value depends only on its own block, so the work is split across rayon's pool in
 /// block-aligned chunks without changing a single bit of the result.
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
-    if !ty.can_dequantize() {
-        return Err(DequantError::Unsupported(ty));
-    }
-    let (bs, ts) = ty.block_layout();
-    let (bs, ts) = (bs as usize, ts as usize);
-    let length_error = || DequantError::Length {
-        ty,
-        bytes: data.len(),
-        values: out.len(),
-    };
-    if !out.len().is_multiple_of(bs)
-        || !data.len().is_multiple_of(ts)
-        || out.len() / bs != data.len() / ts
-    {
-        return Err(length_error());
-    }
+    let (bs, ts) = check_lengths(ty, data, out)?;
     use rayon::prelude::*;
     let chunk_bytes = CHUNK_VALUES / bs * ts;
     out.par_chunks_mut(CHUNK_VALUES)
         .zip(data.par_chunks(chunk_bytes))
         .for_each(|(o, d)| dequantize_serial(ty, d, o));
+    Ok(())
+}
+
+/// The block size and bytes of `ty`, once `data` is checked to be exactly the blocks of `out`.
+fn check_lengths(ty: GgmlType, data: &[u8], out: &[f32]) -> Result<(usize, usize), DequantError> {
+    if !ty.can_dequantize() {
+        return Err(DequantError::Unsupported(ty));
+    }
+    let (bs, ts) = ty.block_layout();
+    let (bs, ts) = (bs as usize, ts as usize);
+    if !out.len().is_multiple_of(bs)
+        || !data.len().is_multiple_of(ts)
+        || out.len() / bs != data.len() / ts
+    {
+        return Err(DequantError::Length {
+            ty,
+            bytes: data.len(),
+            values: out.len(),
+        });
+    }
+    Ok((bs, ts))
+}
+
+/// [`dequantize`] on this thread: for a few blocks (a table row), where handing them to the
+/// pool would cost more than converting them.
+pub fn dequantize_here(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
+    check_lengths(ty, data, out)?;
+    dequantize_serial(ty, data, out);
     Ok(())
 }
 

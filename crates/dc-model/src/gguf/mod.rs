@@ -25,7 +25,8 @@ use memmap2::Mmap;
 use serde_json::{json, Value as Json};
 
 use crate::error::{ModelError, Result};
-use crate::source::{TensorInfo, TensorSource};
+use crate::row_table::{RowEncoding, RowTable};
+use crate::source::{table_shape, TensorInfo, TensorSource};
 
 pub use dequant::{bf16_to_f32, dequantize, f16_to_f32, DequantError, GgmlType};
 pub use reader::{GgufTensorInfo, MAGIC};
@@ -550,6 +551,22 @@ impl TensorSource for GgufFile {
             name: self.mapped[i].hf_name.clone(),
             shape: self.mapped[i].shape.clone(),
         })
+    }
+
+    fn load_row_table(&self, name: &str) -> Result<RowTable> {
+        let (rows, cols) = table_shape(self, name)?;
+        let m = self.by_hf_name.get(name).map(|&i| &self.mapped[i]);
+        // Un-permuted tensors (Q and K) move rows about: those come as f32.
+        if let Some(m) = m.filter(|m| m.unpermute.is_none()) {
+            let t = &self.tensors[m.index];
+            if let Some(bytes) = self.bytes_of(t) {
+                let encoding = RowEncoding::Ggml(t.ggml_type);
+                if let Some(table) = RowTable::encoded(encoding, bytes.to_vec(), rows, cols) {
+                    return Ok(table);
+                }
+            }
+        }
+        RowTable::from_f32(self.load_f32(name)?, rows, cols)
     }
 
     fn load_f32(&self, name: &str) -> Result<Vec<f32>> {
