@@ -16,8 +16,9 @@ use crate::activations::Activations;
 use crate::attention::{
     attend_with, queue_cache_rows, AttentionKernel, AttentionShape, LayerCache,
 };
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::model::{Model, Products};
+use crate::products::Products;
 use crate::trace::{HopTrace, Point};
 use crate::verify::kept::{Kept, KeptHop, KeptLayer};
 use crate::weights::{add_bias, KeptProduct, Layer, Linear, RowLeaves};
@@ -25,7 +26,7 @@ use crate::weights::{add_bias, KeptProduct, Layer, Linear, RowLeaves};
 /// A stage's products: run on its weights and cache, committed into the trace and kept for
 /// reveals when asked.
 pub(crate) struct Compute<'a> {
-    pub model: &'a Model,
+    pub config: &'a ModelConfig,
     pub gemm: &'a Gemm,
     pub layer: &'a Layer,
     pub index: usize,
@@ -202,7 +203,7 @@ impl Products for Compute<'_> {
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], start: usize) -> Result<Vec<f32>> {
-        let cfg = &self.model.config;
+        let cfg = self.config;
         self.cache.append(k, v)?;
         let mut ctx = vec![0f32; q.len()];
         let shape = AttentionShape {
@@ -291,8 +292,8 @@ impl Products for Stacked<'_, '_> {
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], _start: usize) -> Result<Vec<f32>> {
-        let model: &Model = self.hops[0].model;
-        let (qw, kw) = (model.config.q_width(), model.config.kv_width());
+        let config = self.hops[0].config;
+        let (qw, kw) = (config.q_width(), config.kv_width());
         let mut ctx = Vec::with_capacity(q.len());
         for (hop, rows) in spans(self.hops, &self.rows) {
             let at = |w: usize| rows.start * w..rows.end * w;

@@ -21,6 +21,7 @@ pub mod kv_cache;
 pub mod manifest;
 pub mod model;
 pub mod open;
+mod products;
 pub mod progress;
 pub mod row_table;
 pub mod sampling;

@@ -10,7 +10,7 @@ use dc_types::{CheckSet, Point};
 use super::checker::LayerChecker;
 use crate::attention::{attend, cache_row_leaf, AttentionShape, LayerCache};
 use crate::error::{ModelError, Result};
-use crate::model::Products;
+use crate::products::Products;
 use crate::weights::add_bias;
 
 /// The checker's products: revealed rows, each weight product tested by Freivalds; the

@@ -10,13 +10,11 @@ use std::sync::Arc;
 use dc_model::{Activations, KvCache};
 use dc_types::{Commitment, HopErrorKind, HopRecord, HopRequest, HopResponse, PeerState};
 
+use super::queue::MAX_HOP_ROWS;
 use super::runner::HopId;
 use super::server::Stage;
 use crate::core::wire::{from_wire, to_wire};
 use crate::core::Serving;
-
-/// Most positions one hop may carry (bounds the compute one request can demand).
-pub const MAX_HOP_ROWS: usize = 2048;
 
 fn refuse(kind: HopErrorKind, message: impl Into<String>) -> HopResponse {
     HopResponse::Refused {
@@ -60,7 +58,7 @@ impl Stage {
             Err((kind, why)) => return refuse(kind, why),
         };
         let input = x.commitment();
-        let (out, trace, cache) = match self.compute_hop(serving, x, cache, (hop, keep)).await {
+        let (out, trace, cache) = match self.queue.compute(serving, x, cache, (hop, keep)).await {
             Ok(done) => done,
             Err(e) => {
                 self.caches(|c| c.put(generation, None));

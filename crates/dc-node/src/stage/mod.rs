@@ -20,7 +20,6 @@ mod runner;
 mod server;
 
 pub use caches::{StageCaches, KEPT_BYTES, KEPT_HOPS};
-pub use hop::MAX_HOP_ROWS;
-pub use queue::MAX_STACK;
+pub use queue::{MAX_HOP_ROWS, MAX_STACK};
 pub use runner::{Honest, HopResult, HopRunner, QueuedHop};
 pub use server::Stage;

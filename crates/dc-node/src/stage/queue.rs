@@ -14,18 +14,20 @@
 //! Bounded: a hop waits here only after admission took its generation's cache, so there are
 //! at most as many as the stage holds caches (`max_generations` and the audit sessions).
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use dc_kernels::Gemm;
 use dc_model::{Activations, KeptHop, KvCache};
 use dc_types::HopTrace;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Semaphore};
 
-use super::hop::MAX_HOP_ROWS;
 use super::runner::{HopId, HopRunner, QueuedHop};
-use super::server::Stage;
-use crate::core::Serving;
+use crate::core::{Node, Serving};
+
+/// Most positions one hop may carry, and one batch of hops (bounds the compute one request
+/// can demand, and what one batch holds).
+pub const MAX_HOP_ROWS: usize = 2048;
 
 /// Most hops one batch stacks.
 pub const MAX_STACK: usize = 16;
@@ -43,7 +45,7 @@ pub(super) type Computed = (dc_model::Result<(Activations, KeptHop)>, HopTrace, 
 
 /// A hop admitted and waiting for a batch.
 #[derive(Debug)]
-pub(super) struct Waiting {
+struct Waiting {
     ticket: u64,
     serving: Arc<Serving>,
     x: Activations,
@@ -53,12 +55,43 @@ pub(super) struct Waiting {
     done: oneshot::Sender<Computed>,
 }
 
-impl Stage {
+/// The hops admitted and waiting for a batch, and what runs the batches.
+#[derive(Debug)]
+pub(super) struct HopQueue {
+    node: Arc<Node>,
+    runner: Arc<dyn HopRunner>,
+    /// The stage's compute slots, which its audit replays take too.
+    compute: Arc<Semaphore>,
+    waiting: Mutex<Vec<Waiting>>,
+    /// Held by the task running a batch of hops, one per lane: one batch per lane computes
+    /// at a time, and what arrives meanwhile forms the next.
+    batch_slots: [Arc<Semaphore>; 2],
+    /// Names each waiting hop.
+    tickets: AtomicU64,
+}
+
+impl HopQueue {
+    /// An empty queue whose batches run with `runner` in `compute`'s slots.
+    pub(super) fn new(
+        node: Arc<Node>,
+        runner: Arc<dyn HopRunner>,
+        compute: Arc<Semaphore>,
+    ) -> Self {
+        HopQueue {
+            node,
+            runner,
+            compute,
+            waiting: Mutex::new(Vec::new()),
+            batch_slots: [Arc::new(Semaphore::new(1)), Arc::new(Semaphore::new(1))],
+            tickets: AtomicU64::new(0),
+        }
+    }
+
     /// Computes hop `hop` over `x` on `cache` (keeping what a reveal needs when `keep`), in a
     /// batch with whatever other hops are waiting when its turn comes. `Err` when the compute
     /// task failed (the cache is then lost).
-    pub(super) async fn compute_hop(
-        self: &Arc<Self>,
+    pub(super) async fn compute(
+        &self,
         serving: Arc<Serving>,
         x: Activations,
         cache: KvCache,

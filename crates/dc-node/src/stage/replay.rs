@@ -7,7 +7,7 @@ use std::sync::Arc;
 use dc_model::{Activations, KvCache};
 use dc_types::{AuditRequest, CacheRows, GenerationId, HopTrace, LayerRange};
 
-use super::hop::MAX_HOP_ROWS;
+use super::queue::MAX_HOP_ROWS;
 use super::server::Stage;
 use crate::core::wire::from_wire;
 

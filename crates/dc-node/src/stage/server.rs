@@ -4,14 +4,14 @@
 //! batches), `reveal.rs` (reveals and cache rows) and `replay.rs` (audits of other stages); the
 //! node's shared state is read through `node`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use dc_types::GenerationId;
 use tokio::sync::Semaphore;
 
 use super::caches::StageCaches;
-use super::queue::Waiting;
+use super::queue::HopQueue;
 use super::runner::HopRunner;
 use crate::core::Node;
 
@@ -33,14 +33,8 @@ pub struct Stage {
     pub(super) reveals_peak: std::sync::atomic::AtomicUsize,
     /// Computes the hops.
     pub(super) runner: Arc<dyn HopRunner>,
-    /// Hops admitted and waiting for a batch (`queue.rs`).
-    pub(super) waiting: Mutex<Vec<Waiting>>,
-    /// Held by the task running a batch of hops, one per lane (`queue.rs`: decode laps, and
-    /// longer hops): one batch per lane computes at a time, and what arrives meanwhile forms
-    /// the next.
-    pub(super) batch_slots: [Arc<Semaphore>; 2],
-    /// Names each waiting hop.
-    pub(super) tickets: AtomicU64,
+    /// Hops admitted and waiting for a batch, and the batches run from them (`queue.rs`).
+    pub(super) queue: HopQueue,
 }
 
 impl Stage {
@@ -48,15 +42,13 @@ impl Stage {
     pub fn new(node: Arc<Node>, runner: Arc<dyn HopRunner>) -> Stage {
         let compute = Arc::new(Semaphore::new(node.cfg.threads.max(1) * 2));
         Stage {
-            node,
             caches: Mutex::new(StageCaches::default()),
-            compute,
             reveal_slots: Arc::new(Semaphore::new(REVEALS_AT_ONCE)),
             reveals_peak: std::sync::atomic::AtomicUsize::new(0),
+            queue: HopQueue::new(node.clone(), runner.clone(), compute.clone()),
+            node,
             runner,
-            waiting: Mutex::new(Vec::new()),
-            batch_slots: [Arc::new(Semaphore::new(1)), Arc::new(Semaphore::new(1))],
-            tickets: AtomicU64::new(0),
+            compute,
         }
     }
 
