@@ -21,6 +21,28 @@ fn copy_fixture(name: &str) -> tempfile::TempDir {
     dir
 }
 
+/// Rewrites `dir`'s `model.safetensors` with tensor `name` replaced by what `f` makes of its
+/// shape and bytes: `(dtype, shape, bytes)`.
+fn replace_tensor(
+    dir: &Path,
+    name: &str,
+    f: impl FnOnce(&[usize], &[u8]) -> (safetensors::Dtype, Vec<usize>, Vec<u8>),
+) {
+    let src = dir.join("model.safetensors");
+    let bytes = std::fs::read(&src).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let view = st.tensor(name).unwrap();
+    let (dtype, shape, data) = f(view.shape(), view.data());
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .collect();
+    let new = safetensors::tensor::TensorView::new(dtype, shape, &data).unwrap();
+    tensors.push((name.to_string(), new));
+    std::fs::write(&src, safetensors::serialize(tensors, None).unwrap()).unwrap();
+}
+
 fn load_err(dir: &Path) -> String {
     match Model::load(dir, &LoadOptions::default()) {
         Ok(_) => panic!("{} loaded", dir.display()),
@@ -96,25 +118,9 @@ fn truncated_and_corrupt_safetensors_are_refused() {
 fn unknown_dtype_is_named() {
     // A safetensors file with one int32 tensor where a float is expected.
     let d = copy_fixture("gpt2");
-    let src = d.path().join("model.safetensors");
-    let bytes = std::fs::read(&src).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
-    for (name, view) in st.tensors() {
-        let v = if name == "transformer.ln_f.weight" {
-            safetensors::tensor::TensorView::new(
-                safetensors::Dtype::I32,
-                view.shape().to_vec(),
-                view.data(),
-            )
-            .unwrap()
-        } else {
-            view
-        };
-        tensors.push((name, v));
-    }
-    let out = safetensors::serialize(tensors, None).unwrap();
-    std::fs::write(&src, out).unwrap();
+    replace_tensor(d.path(), "transformer.ln_f.weight", |shape, data| {
+        (safetensors::Dtype::I32, shape.to_vec(), data.to_vec())
+    });
     let e = load_err(d.path());
     assert!(
         e.contains("I32") && e.contains("transformer.ln_f.weight"),
@@ -125,26 +131,15 @@ fn unknown_dtype_is_named() {
 #[test]
 fn non_finite_weights_are_refused() {
     let d = copy_fixture("gpt2");
-    let src = d.path().join("model.safetensors");
-    let bytes = std::fs::read(&src).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
-    let mut target = None;
-    for (name, view) in st.tensors() {
-        if name == "transformer.h.1.mlp.c_fc.weight" {
-            target = Some((name, view.shape().to_vec(), view.data().to_vec()));
-        } else {
-            tensors.push((name, view));
-        }
-    }
-    let (name, shape, mut data) = target.unwrap();
-    data[40..44].copy_from_slice(&f32::NAN.to_le_bytes());
-    let nan_data = data;
-    tensors.push((
-        name,
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &nan_data).unwrap(),
-    ));
-    std::fs::write(&src, safetensors::serialize(tensors, None).unwrap()).unwrap();
+    replace_tensor(
+        d.path(),
+        "transformer.h.1.mlp.c_fc.weight",
+        |shape, data| {
+            let mut data = data.to_vec();
+            data[40..44].copy_from_slice(&f32::NAN.to_le_bytes());
+            (safetensors::Dtype::F32, shape.to_vec(), data)
+        },
+    );
     let e = load_err(d.path());
     assert!(
         e.contains("transformer.h.1.mlp.c_fc.weight") && e.contains("non-finite"),
@@ -157,30 +152,17 @@ fn a_non_finite_embedding_kept_as_stored_is_refused_when_its_token_comes() {
     // Llama's untied embedding as bf16 (kept as stored, converted a row per token), with a
     // NaN in token 5's row: the model loads, token 5 is refused by name, the others embed.
     let d = copy_fixture("llama");
-    let src = d.path().join("model.safetensors");
-    let bytes = std::fs::read(&src).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let name = "model.embed_tokens.weight";
-    let view = st.tensor(name).unwrap();
-    let (shape, cols) = (view.shape().to_vec(), view.shape()[1]);
-    let mut halves: Vec<u8> = view
-        .data()
-        .chunks_exact(4)
-        .flat_map(|c| {
-            let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            half::bf16::from_f32(x).to_le_bytes()
-        })
-        .collect();
-    let at = (5 * cols + 3) * 2;
-    halves[at..at + 2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
-    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st
-        .tensors()
-        .into_iter()
-        .filter(|(n, _)| n != name)
-        .collect();
-    let bf16 = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape, &halves);
-    tensors.push((name.to_string(), bf16.unwrap()));
-    std::fs::write(&src, safetensors::serialize(tensors, None).unwrap()).unwrap();
+    replace_tensor(d.path(), "model.embed_tokens.weight", |shape, data| {
+        let mut halves: Vec<u8> = data
+            .chunks_exact(4)
+            .flat_map(|c| {
+                half::bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes()
+            })
+            .collect();
+        let at = (5 * shape[1] + 3) * 2;
+        halves[at..at + 2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+        (safetensors::Dtype::BF16, shape.to_vec(), halves)
+    });
     let model = Model::load(d.path(), &LoadOptions::default()).unwrap();
     let e = model.embed(&[4, 5], 0).unwrap_err().to_string();
     assert!(e.contains("token 5") && e.contains("non-finite"), "{e}");
