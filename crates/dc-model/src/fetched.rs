@@ -220,9 +220,7 @@ impl HeldOnly {
             .collect();
         Ok(HeldOnly { inner, held })
     }
-}
 
-impl HeldOnly {
     /// `Err` naming `name` unless its bytes were fetched and checked.
     fn check_held(&self, name: &str) -> Result<()> {
         if self.held.contains(name) {

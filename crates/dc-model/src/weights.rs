@@ -250,6 +250,14 @@ struct Names {
 }
 
 fn load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    check_shape(src, name, shape)?;
+    let v = src.load_f32(name)?;
+    check_finite(src, name, &v)?;
+    Ok(v)
+}
+
+/// `Err` unless `src` holds tensor `name` of shape `shape`.
+fn check_shape(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<()> {
     let info = src.info(name).ok_or_else(|| ModelError::MissingTensor {
         name: name.into(),
         path: src.path().to_path_buf(),
@@ -261,9 +269,7 @@ fn load(src: &dyn TensorSource, name: &str, shape: &[usize]) -> Result<Vec<f32>>
             got: info.shape,
         });
     }
-    let v = src.load_f32(name)?;
-    check_finite(src, name, &v)?;
-    Ok(v)
+    Ok(())
 }
 
 /// `Err` naming tensor `name` of `src` and the element if `v` holds a non-finite value.
@@ -437,15 +443,8 @@ pub fn load_layer(
 }
 
 /// Loads the `[rows, cols]` table `name`, kept as stored to convert a row at a time.
-fn table(src: &dyn TensorSource, name: &str, [rows, cols]: [usize; 2]) -> Result<RowTable> {
-    let got = crate::source::table_shape(src, name)?;
-    if got != (rows, cols) {
-        return Err(ModelError::Shape {
-            name: name.into(),
-            expected: vec![rows, cols],
-            got: vec![got.0, got.1],
-        });
-    }
+fn table(src: &dyn TensorSource, name: &str, shape: [usize; 2]) -> Result<RowTable> {
+    check_shape(src, name, &shape)?;
     let table = src.load_row_table(name)?;
     // A table kept as stored is checked a row at a time as it is read (`Model::embed`).
     if let Some(values) = table.as_f32() {

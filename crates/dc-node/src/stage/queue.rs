@@ -250,7 +250,8 @@ mod tests {
             layers: LayerRange::new(0, 4).unwrap(),
             head: false,
         });
-        // The same model loaded again is another serving: never stacked with the first.
+        // Another serving of the same model (its layers loaded again): never stacked with the
+        // first.
         let other = Arc::new(Serving {
             model,
             layers: LayerRange::new(0, 4).unwrap(),

@@ -12,17 +12,14 @@ use dc_model::trace::HopTrace;
 use dc_model::{HopInput, KvCache, Model};
 use serde_json::json;
 
-use super::bench_stream::Bench;
+use super::local::{cached_load_options, engine, model_path};
 use crate::cli::{BenchStackArgs, Global};
 
 pub fn bench_stack(global: &Global, a: &BenchStackArgs) -> Result<ExitCode> {
-    let Bench {
-        kernel,
-        threads,
-        gemm,
-        path,
-        opts,
-    } = Bench::new(global, &a.model)?;
+    let gemm = engine(global)?;
+    let (kernel, threads) = (gemm.kernel(), gemm.threads());
+    let path = model_path(&a.model)?;
+    let opts = cached_load_options()?;
     let model = Model::load(&path, &opts)?;
     let cfg = &model.config;
     if a.generations.iter().any(|&g| g == 0 || g > 64) {

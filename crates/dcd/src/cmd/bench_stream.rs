@@ -6,52 +6,19 @@
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use dc_kernels::{Gemm, Kernel};
 use dc_model::stream::WINDOW;
-use dc_model::{LoadOptions, Model};
+use dc_model::Model;
 use serde_json::json;
 
 use super::bench_model::plain_rates;
-use super::local::model_path;
+use super::local::{cached_load_options, engine, model_path};
 use crate::cli::{BenchStreamArgs, Global};
 
-/// What an in-process model benchmark runs on: the kernel and engine the global options ask
-/// for, the model's path, and load options that use the weight cache.
-pub(super) struct Bench {
-    pub kernel: Kernel,
-    pub threads: usize,
-    pub gemm: Gemm,
-    pub path: std::path::PathBuf,
-    pub opts: LoadOptions,
-}
-
-impl Bench {
-    pub(super) fn new(global: &Global, model: &crate::cli::ModelArg) -> Result<Bench> {
-        let kernel = Kernel::parse(&global.kernel)?;
-        let threads = global
-            .threads
-            .unwrap_or_else(crate::config::default_threads);
-        Ok(Bench {
-            kernel,
-            threads,
-            gemm: Gemm::new(kernel, threads)?,
-            path: model_path(model)?,
-            opts: LoadOptions {
-                cache_in: Some(dc_model::store::data_dir()?),
-                ..LoadOptions::default()
-            },
-        })
-    }
-}
-
 pub fn bench_stream(global: &Global, a: &BenchStreamArgs) -> Result<ExitCode> {
-    let Bench {
-        kernel,
-        threads,
-        gemm,
-        path,
-        opts,
-    } = Bench::new(global, &a.model)?;
+    let gemm = engine(global)?;
+    let (kernel, threads) = (gemm.kernel(), gemm.threads());
+    let path = model_path(&a.model)?;
+    let opts = cached_load_options()?;
     let (config, _) = dc_model::open::open_source(&path)?;
     let n = config.num_layers;
     let vocab = config.vocab_size as u64;

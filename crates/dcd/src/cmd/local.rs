@@ -25,6 +25,14 @@ pub fn model_path(arg: &ModelArg) -> Result<PathBuf> {
     Ok(store::resolve_model(&arg.model, &data)?)
 }
 
+/// Load options that read and fill the weight cache in the data directory.
+pub fn cached_load_options() -> Result<LoadOptions> {
+    Ok(LoadOptions {
+        cache_in: Some(store::data_dir()?),
+        ..LoadOptions::default()
+    })
+}
+
 /// A model with its tokenizer (test checkpoints may come without one).
 pub struct Loaded {
     pub model: Model,
@@ -47,11 +55,8 @@ impl Loaded {
 /// Loads the whole model and, when it has one, its tokenizer.
 pub fn load_model(arg: &ModelArg) -> Result<Loaded> {
     let path = model_path(arg)?;
-    let opts = LoadOptions {
-        cache_in: Some(store::data_dir()?),
-        ..LoadOptions::default()
-    };
-    let model = Model::load(&path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    let model = Model::load(&path, &cached_load_options()?)
+        .with_context(|| format!("loading {}", path.display()))?;
     let has_tokenizer = !path.is_dir() || path.join("tokenizer.json").is_file();
     let (tokenizer, special) = if has_tokenizer {
         let (t, _chat, s): (Tokenizer, Option<ChatTemplate>, SpecialTokens) =
