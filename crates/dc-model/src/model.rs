@@ -234,6 +234,15 @@ impl Model {
             .map_or_else(Default::default, |s| s.stats())
     }
 
+    /// Bytes of packed weights a decode step streams through this process: every weight
+    /// product of the layers held in memory, and the output projection when the head is
+    /// loaded. Decode reads each of them once per token, so this over the read bandwidth is
+    /// the bound on its rate.
+    pub fn decode_bytes(&self) -> usize {
+        let layers: usize = self.layers.values().map(Layer::packed_bytes).sum();
+        layers + self.head.as_ref().map_or(0, |h| h.lm_head.packed_bytes())
+    }
+
     /// Whether the head weights are loaded.
     pub fn has_head(&self) -> bool {
         self.head.is_some()

@@ -207,6 +207,15 @@ impl Layer {
         }
     }
 
+    /// Bytes of packed weights one pass over the layer streams (every weight product once).
+    pub fn packed_bytes(&self) -> usize {
+        self.linear_points()
+            .iter()
+            .filter_map(|&p| self.linear(p))
+            .map(|l| l.w.packed_bytes())
+            .sum()
+    }
+
     /// The weight products in computation order.
     pub fn linear_points(&self) -> &'static [Point] {
         match self.mlp {

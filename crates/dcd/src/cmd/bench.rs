@@ -18,7 +18,7 @@ const DECODE: [(usize, usize, usize); 3] = [(1, 576, 1536), (1, 2048, 5632), (1,
 const PREFILL: [(usize, usize, usize); 3] =
     [(128, 576, 1536), (128, 2048, 2048), (512, 2048, 5632)];
 /// Bandwidth buffer and cold-weight working set: far beyond any last-level cache.
-const COLD_BYTES: usize = 512 << 20;
+pub(super) const COLD_BYTES: usize = 512 << 20;
 
 fn parse_shape(s: &str) -> Result<(usize, usize, usize)> {
     let parts: Vec<&str> = s.split(['x', '×']).collect();

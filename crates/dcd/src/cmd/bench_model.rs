@@ -1,14 +1,15 @@
 //! `dcd bench model`: prefill and decode rates of a model in this process at each thread
-//! count; with `--commit`, what committing to every product costs; with `--spot-check`, what
+//! count, decode also as the weights' share of the read bandwidth measured around it; with `--commit`, what committing to every product costs; with `--spot-check`, what
 //! keeping hops, revealing and checking them costs, one layer at a time and at the daemon's
 //! spot-check rate. It measures and prints; the stage and checker code it times is the
 //! daemon's own.
 
 use std::collections::VecDeque;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use dc_kernels::bench::read_bandwidth_gbs;
 use dc_kernels::{Gemm, Kernel};
 use dc_model::attention::LayerCache;
 use dc_model::generate::LocalPipeline;
@@ -18,6 +19,7 @@ use dc_model::{CacheLog, KeptHop, KvCache, LayerChecker, Model};
 use dc_types::{CheckSet, Point};
 use serde_json::{json, Value};
 
+use super::bench::COLD_BYTES;
 use super::local::model_path;
 use crate::cli::{BenchModelArgs, Global};
 
@@ -48,7 +50,14 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
     let mut results = Vec::new();
     for &t in &counts {
         let gemm = Gemm::new(kernel, t)?;
+        let bandwidth_before = read_bandwidth_gbs(t, COLD_BYTES, Duration::from_secs(1));
         let (pre, dec) = plain_rates(&model, &gemm, &prompt, a.decode_tokens)?;
+        // Decode streams every weight once per token: its rate against the read bandwidth
+        // measured around it, with as many threads, is how close it comes to the machine's
+        // bound. The larger of the two measurements, so a noisy moment cannot flatter it.
+        let bandwidth =
+            bandwidth_before.max(read_bandwidth_gbs(t, COLD_BYTES, Duration::from_secs(1)));
+        let weight_gbs = dec * model.decode_bytes() as f64 / 1e9;
         let committed = if a.commit {
             Some(committed_rates(&model, &gemm, &prompt, a.decode_tokens)?)
         } else {
@@ -68,15 +77,20 @@ pub fn bench_model(global: &Global, a: &BenchModelArgs) -> Result<ExitCode> {
         }
         if !quiet {
             println!(
-                "{} threads {t}: prefill {pre:.1} tokens/s ({} tokens), decode {dec:.1} tokens/s ({:.1} ms/token)",
+                "{} threads {t}: prefill {pre:.1} tokens/s ({} tokens), decode {dec:.1} \
+                 tokens/s ({:.1} ms/token, weights at {weight_gbs:.1} GB/s: {:.1} % of the \
+                 read bandwidth, {bandwidth:.1} GB/s)",
                 kernel.name(),
                 prompt.len(),
-                1e3 / dec
+                1e3 / dec,
+                100.0 * weight_gbs / bandwidth
             );
         }
         results.push(json!({
             "kernel": kernel.name(), "threads": t,
             "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
+            "decode_weight_bytes": model.decode_bytes(), "read_bandwidth_gbs": bandwidth,
+            "decode_share_of_bandwidth": weight_gbs / bandwidth,
             "layers_prefill_tokens_per_s": committed.map(|c| c[0].0),
             "committed_prefill_tokens_per_s": committed.map(|c| c[0].1),
             "layers_decode_tokens_per_s": committed.map(|c| c[1].0),
