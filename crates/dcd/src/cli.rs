@@ -379,7 +379,9 @@ pub struct SelftestArgs {
 pub enum BenchCommand {
     /// int8 peak, memory bandwidth and the exact GEMM at decode and prefill shapes.
     Gemm(BenchGemmArgs),
-    /// Prefill and decode tokens per second of a model at several thread counts.
+    /// Prefill and decode tokens per second of a model at several thread counts; decode also
+    /// as the weights it streams per token against the memory read bandwidth (a model that
+    /// fits the last-level cache can exceed 100 %).
     Model(BenchModelArgs),
     /// Decode speed with and without prompt-lookup speculation, on repetitive and free text.
     Speculative(BenchSpeculativeArgs),
