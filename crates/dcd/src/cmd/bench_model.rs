@@ -1,8 +1,8 @@
 //! `dcd bench model`: prefill and decode rates of a model in this process at each thread
-//! count, decode also as the weights' share of the read bandwidth measured around it; with `--commit`, what committing to every product costs; with `--spot-check`, what
-//! keeping hops, revealing and checking them costs, one layer at a time and at the daemon's
-//! spot-check rate. It measures and prints; the stage and checker code it times is the
-//! daemon's own.
+//! count, decode also as the weights' share of the read bandwidth measured around it; with
+//! `--commit`, what committing to every product costs; with `--spot-check`, what keeping hops,
+//! revealing and checking them costs, one layer at a time and at the daemon's spot-check rate.
+//! It measures and prints; the stage and checker code it times is the daemon's own.
 
 use std::collections::VecDeque;
 use std::process::ExitCode;
